@@ -1,0 +1,179 @@
+"""The strategy's configuration: one typed, validated value built from the constructor arguments.
+
+Everything here is pure (no torch, no processes), so every invalid combination is rejected in
+``BFPPStrategy.__init__`` on every rank, before any process group exists, with a message that names the
+argument and the fix. What can only be checked once the world size or the model is known is checked by
+:meth:`PipelineConfig.resolve_mesh` and :meth:`PipelineConfig.resolve_layout`, which every rank also runs
+on identical inputs, so they raise identically everywhere instead of leaving some ranks waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Auto = Literal["auto"]
+ScheduleName = Literal["breadth_first"]
+ShardingName = Literal["full_shard", "shard_grad_op", "no_shard"]
+PartitionSpec = Literal["parameters", "uniform"] | Sequence[int]
+
+SCHEDULES: tuple[str, ...] = ("breadth_first",)
+SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
+PARTITIONS: tuple[str, ...] = ("parameters", "uniform")
+
+
+def _check_size(name: str, value: object, *, allow_auto: bool = True) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        expected = "a positive int or 'auto'" if allow_auto else "a positive int"
+        raise ValueError(f"BFPPStrategy: `{name}` must be {expected}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """How the world is cut: ``data_parallel_size`` pipelines of ``pipeline_parallel_size`` ranks each."""
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved pipeline layout: ``p·v`` stages, ``m`` micro-batches, and how layers map to stages."""
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    stages_per_rank: int
+    num_microbatches: int
+    stage_layer_counts: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """User-facing knobs, validated on construction.
+
+    ``"auto"`` values are resolved later: ``pipeline_parallel_size`` from the world (all processes of a
+    node form one pipeline, nodes are data-parallel replicas), ``stages_per_rank`` and
+    ``num_microbatches`` from the model (two stages per rank when there are enough layers; as many
+    micro-batches as pipeline ranks, the smallest count with which breadth-first keeps every rank busy).
+    """
+
+    pipeline_parallel_size: int | Auto = "auto"
+    stages_per_rank: int | Auto = "auto"
+    num_microbatches: int | Auto = "auto"
+    schedule: str = "breadth_first"
+    sharding: str = "full_shard"
+    data_parallel_size: int | Auto = "auto"
+    partition: PartitionSpec = "parameters"
+
+    def __post_init__(self) -> None:
+        _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_size("stages_per_rank", self.stages_per_rank)
+        _check_size("num_microbatches", self.num_microbatches)
+        _check_size("data_parallel_size", self.data_parallel_size)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"BFPPStrategy: unknown `schedule={self.schedule!r}`; choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.sharding not in SHARDINGS:
+            raise ValueError(
+                f"BFPPStrategy: unknown `sharding={self.sharding!r}`; choose one of {', '.join(SHARDINGS)}."
+            )
+        if isinstance(self.partition, str):
+            if self.partition not in PARTITIONS:
+                raise ValueError(
+                    f"BFPPStrategy: unknown `partition={self.partition!r}`; choose one of"
+                    f" {', '.join(PARTITIONS)}, or pass the number of layers in each stage as a list."
+                )
+        else:
+            counts = list(self.partition)
+            if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+                raise ValueError(
+                    "BFPPStrategy: `partition` as a list gives the number of layers in each stage and must"
+                    f" hold positive ints, got {self.partition!r}."
+                )
+            object.__setattr__(self, "partition", tuple(counts))
+
+    def resolve_mesh(self, world_size: int, processes_per_node: int) -> MeshShape:
+        """Fix the pipeline and data-parallel sizes for ``world_size`` ranks."""
+        p, dp = self.pipeline_parallel_size, self.data_parallel_size
+        if p == "auto" and dp == "auto":
+            p = processes_per_node if world_size % processes_per_node == 0 else world_size
+        if p == "auto":
+            assert isinstance(dp, int)
+            if world_size % dp:
+                raise ValueError(
+                    f"BFPPStrategy: `data_parallel_size={dp}` does not divide the world size ({world_size})."
+                )
+            p = world_size // dp
+        if p > world_size or world_size % p:
+            raise ValueError(
+                f"BFPPStrategy: `pipeline_parallel_size={p}` must divide the world size ({world_size} ="
+                " devices × num_nodes); choose a divisor of it."
+            )
+        if dp == "auto":
+            dp = world_size // p
+        if p * dp != world_size:
+            raise ValueError(
+                f"BFPPStrategy: pipeline_parallel_size × data_parallel_size = {p} × {dp} = {p * dp}, but the"
+                f" world size (devices × num_nodes) is {world_size}; make the product equal the world size"
+                " or leave `data_parallel_size='auto'`."
+            )
+        if isinstance(self.partition, tuple) and self.stages_per_rank != "auto":
+            expected = p * self.stages_per_rank
+            if len(self.partition) != expected:
+                raise ValueError(
+                    f"BFPPStrategy: `partition` lists {len(self.partition)} stages, but"
+                    f" pipeline_parallel_size × stages_per_rank = {p} × {self.stages_per_rank} = {expected}."
+                )
+        if isinstance(self.partition, tuple) and len(self.partition) % p:
+            raise ValueError(
+                f"BFPPStrategy: `partition` lists {len(self.partition)} stages, which is not a multiple of"
+                f" pipeline_parallel_size={p}; every rank must hold the same number of stages."
+            )
+        return MeshShape(pipeline_parallel_size=p, data_parallel_size=dp)
+
+    def resolve_layout(self, mesh: MeshShape, layer_weights: Sequence[int]) -> Layout:
+        """Fix stages, micro-batches and the layer partition for a model with these layer weights."""
+        from lightning_bfpp.partition import balance_by_weight, uniform_counts
+
+        p = mesh.pipeline_parallel_size
+        num_layers = len(layer_weights)
+        if isinstance(self.partition, tuple):
+            v = len(self.partition) // p
+        elif self.stages_per_rank == "auto":
+            v = 2 if num_layers >= 2 * p else 1
+        else:
+            v = self.stages_per_rank
+        num_stages = p * v
+        if num_layers < num_stages:
+            raise ValueError(
+                f"BFPPStrategy: the module's `pipeline_layers()` returns {num_layers} layers, fewer than the"
+                f" {num_stages} stages requested (pipeline_parallel_size={p} × stages_per_rank={v}); lower"
+                " `stages_per_rank` or `pipeline_parallel_size`, or split the model into more layers."
+            )
+        if isinstance(self.partition, tuple):
+            if sum(self.partition) != num_layers:
+                raise ValueError(
+                    f"BFPPStrategy: `partition={list(self.partition)}` covers {sum(self.partition)} layers,"
+                    f" but `pipeline_layers()` returns {num_layers}; the counts must add up to {num_layers}."
+                )
+            counts = tuple(self.partition)
+        elif self.partition == "uniform":
+            counts = uniform_counts(num_layers, num_stages)
+        else:
+            counts = balance_by_weight(layer_weights, num_stages)
+        m = p if self.num_microbatches == "auto" else self.num_microbatches
+        return Layout(
+            pipeline_parallel_size=p,
+            data_parallel_size=mesh.data_parallel_size,
+            stages_per_rank=v,
+            num_microbatches=m,
+            stage_layer_counts=counts,
+        )

@@ -1,0 +1,184 @@
+"""The LightningModule's side of the contract: find its pipeline layers, check them, keep only local ones.
+
+A module opts in with ``pipeline_layers()``, the ordered modules whose composition is ``forward``. This
+module turns that list into named layers (their fully-qualified names in the module, so parameter names
+never change), rejects what cannot be pipelined with a message saying why, and after partitioning swaps
+every layer another rank holds for a parameter-free :class:`RemoteLayer`, so a rank holds (and, from a
+meta-device model, materializes) only its own stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_bfpp._compat import _materialize
+
+_CONTRACT = (
+    "Define `pipeline_layers(self)` on your LightningModule returning the ordered list of submodules whose"
+    " composition is `forward`, e.g. `return [self.embed, *self.blocks, self.head]`."
+)
+
+
+class RemoteLayer(nn.Module):
+    """Stands in for a layer that lives on another pipeline rank; holds no parameters."""
+
+    def __init__(self, name: str, pipeline_rank: int) -> None:
+        super().__init__()
+        self.layer_name = name
+        self.pipeline_rank = pipeline_rank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Layer `{self.layer_name}` lives on pipeline rank {self.pipeline_rank} under BFPPStrategy and"
+            " cannot be called here. Inside `training_step`/`validation_step`/`test_step`/`predict_step`,"
+            " run the model through `self(...)`, which returns the pipeline's output."
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name!r} on pipeline rank {self.pipeline_rank}"
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: a contiguous run of the LightningModule's own layer objects, applied in order.
+
+    The layers are shared with the LightningModule, not copied, so sharding them in place keeps their
+    names there. Between stages, a tuple output travels as several tensors; it is packed back into one
+    tuple before the next layer, exactly as ``x = layer(x)`` would pass it on one device.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], stage_index: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.stage_index = stage_index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stage_index == 0:
+            x = self.layers[0](*args, **kwargs)
+        else:
+            # torch's pipeline passes keyword inputs to every stage; only the first layer takes them
+            x = self.layers[0](args[0] if len(args) == 1 else tuple(args))
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return x
+
+
+def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The module's pipeline layers with their fully-qualified names, checked against the contract."""
+    getter = getattr(module, "pipeline_layers", None)
+    if not callable(getter):
+        raise TypeError(f"BFPPStrategy: `{type(module).__name__}` has no `pipeline_layers()` method. {_CONTRACT}")
+    layers = getter()
+    if not isinstance(layers, Iterable) or isinstance(layers, nn.Module):
+        raise TypeError(f"BFPPStrategy: `pipeline_layers()` must return a list of modules. {_CONTRACT}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError(f"BFPPStrategy: `pipeline_layers()` returned no layers. {_CONTRACT}")
+    names: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if name:
+            names.setdefault(id(m), name)
+    named: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(
+                f"BFPPStrategy: `pipeline_layers()` item {i} is a {type(layer).__name__}, not an nn.Module;"
+                " wrap functions in a module (e.g. `nn.Flatten()` or a small nn.Module)."
+            )
+        if id(layer) in seen:
+            raise ValueError(
+                f"BFPPStrategy: `pipeline_layers()` lists the module `{names.get(id(layer), i)}` twice; a layer"
+                " can belong to only one stage."
+            )
+        if id(layer) not in names:
+            raise ValueError(
+                f"BFPPStrategy: `pipeline_layers()` item {i} ({type(layer).__name__}) is not a submodule of the"
+                " LightningModule; assign it as an attribute (e.g. in `__init__`) so it has a name."
+            )
+        seen.add(id(layer))
+        named.append((names[id(layer)], layer))
+    nested = [(outer, inner) for outer, _ in named for inner, _ in named if inner.startswith(outer + ".")]
+    if nested:
+        outer, inner = nested[0]
+        raise ValueError(
+            f"BFPPStrategy: `pipeline_layers()` lists `{inner}` inside `{outer}`; list the outer module or its"
+            " parts, not both."
+        )
+    _check_parameters(module, named)
+    return named
+
+
+def _check_parameters(module: nn.Module, named: Sequence[tuple[str, nn.Module]]) -> None:
+    owner: dict[int, str] = {}
+    for name, layer in named:
+        for pname, param in layer.named_parameters(remove_duplicate=False):
+            if id(param) in owner and owner[id(param)] != name:
+                raise ValueError(
+                    f"BFPPStrategy: the parameter `{name}.{pname}` is shared with layer `{owner[id(param)]}`"
+                    " (tied weights). Stages on different ranks cannot share a parameter; untie it (e.g. give"
+                    " the output head its own weight) or keep both users in one layer."
+                )
+            owner[id(param)] = name
+    stray = [n for n, p in module.named_parameters() if id(p) not in owner]
+    if stray:
+        listed = ", ".join(f"`{n}`" for n in stray[:5]) + (" …" if len(stray) > 5 else "")
+        raise ValueError(
+            f"BFPPStrategy: parameters {listed} belong to no pipeline layer. Every parameter must live in a"
+            " module that `pipeline_layers()` returns (move it into one of those layers)."
+        )
+
+
+def layer_weights(named: Sequence[tuple[str, nn.Module]]) -> list[int]:
+    """Parameter count per layer; works on meta-device modules too."""
+    return [sum(p.numel() for p in layer.parameters()) for _, layer in named]
+
+
+def keep_local_layers(
+    module: nn.Module,
+    named: Sequence[tuple[str, nn.Module]],
+    owner_rank: Sequence[int],
+    pipeline_rank: int,
+    device: torch.device,
+) -> dict[str, nn.Module]:
+    """Replace other ranks' layers by :class:`RemoteLayer`, materialize and place the local ones.
+
+    Returns the local layers by name. Raises if a replaced layer's parameters are still reachable from the
+    module (an alias such as ``self.head = self.blocks[-1]``), since the rank would then keep them.
+    """
+    local: dict[str, nn.Module] = {}
+    remote_params: set[int] = set()
+    for (name, layer), rank in zip(named, owner_rank, strict=True):
+        if rank == pipeline_rank:
+            _materialize_meta(layer, device)
+            layer.to(device)
+            local[name] = layer
+        else:
+            remote_params.update(id(p) for p in layer.parameters())
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, child, RemoteLayer(name, rank))
+    leaked = [n for n, p in module.named_parameters() if id(p) in remote_params]
+    if leaked:
+        raise ValueError(
+            f"BFPPStrategy: `{leaked[0]}` belongs to a layer held by another pipeline rank but is still reachable"
+            " through another attribute of the module; remove the alias so each layer has one name."
+        )
+    return local
+
+
+def _materialize_meta(layer: nn.Module, device: torch.device) -> None:
+    for sub in layer.modules():
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+            _materialize(sub, device)
+
+
+def materialize_remaining(module: nn.Module, device: torch.device) -> None:
+    """Materialize meta tensors outside the pipeline layers (e.g. metrics' states, loose buffers).
+
+    Called after :func:`keep_local_layers`, so the only meta tensors left belong to modules every rank keeps.
+    """
+    _materialize_meta(module, device)

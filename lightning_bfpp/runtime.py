@@ -1,0 +1,107 @@
+"""Execute a lightning_bfpp schedule on torch's pipeline runtime.
+
+:class:`PlannedSchedule` is ``torch.distributed.pipelining``'s ``_PipelineScheduleRuntime`` fed with our
+lowered action lists: torch adds the point-to-point sends and receives (``_add_send_recv``) and runs the
+forwards, backwards, FSDP2 unshard/reshard and gradient reductions. What is written here is what torch's
+public schedule classes do not offer: a schedule chosen by us (torch's ``ScheduleLoopedBFS`` hard-codes a
+three-stage unshard window and its own ordering), micro-batches split by the caller (any batch structure,
+not only tensors), and stage metadata inference that neither runs the user's step on fake data nor drops
+gradients accumulated over earlier steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_bfpp._compat import PipelineScheduleRuntime, TorchAction, TorchKind, add_send_recv
+from lightning_bfpp.partition import stage_rank
+from lightning_bfpp.schedule import Action, Kind
+
+_TO_TORCH = {
+    Kind.FORWARD: TorchKind.FORWARD,
+    Kind.BACKWARD: TorchKind.FULL_BACKWARD,
+    Kind.UNSHARD: TorchKind.UNSHARD,
+    Kind.RESHARD: TorchKind.RESHARD,
+    Kind.REDUCE_GRAD: TorchKind.REDUCE_GRAD,
+}
+
+
+def to_torch_action(action: Action) -> TorchAction:
+    return TorchAction(action.stage, _TO_TORCH[action.kind], action.microbatch)
+
+
+def build_stages(
+    modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    num_stages: int,
+    device: torch.device,
+    pipeline_group: ProcessGroup,
+) -> list[PipelineStage]:
+    """torch ``PipelineStage`` objects for this rank's stage modules (shapes are inferred on first run)."""
+    return [
+        PipelineStage(module, index, num_stages, device, group=pipeline_group)
+        for module, index in zip(modules, stage_indices, strict=True)
+    ]
+
+
+class PlannedSchedule(PipelineScheduleRuntime):
+    """torch's pipeline runtime driven by a lowered lightning_bfpp schedule.
+
+    ``loss_fn(output, microbatch_index)`` is called on the last stage for every micro-batch; while torch
+    infers the stages' input and output shapes on the first run, :attr:`inferring_metadata` is True and
+    the loss function must not run user code (its inputs are not data).
+    """
+
+    def __init__(
+        self,
+        stages: list[PipelineStage],
+        schedule: Mapping[int, Sequence[Action]],
+        num_microbatches: int,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        *,
+        pipeline_parallel_size: int,
+        backward: bool,
+    ) -> None:
+        super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        num_stages = stages[0].num_stages
+        mapping = {s: stage_rank(s, pipeline_parallel_size) for s in range(num_stages)}
+        self.stage_index_to_group_rank = mapping
+        for stage in stages:
+            stage.stage_index_to_group_rank = mapping
+        lowered = {rank: [to_torch_action(a) for a in actions] for rank, actions in schedule.items()}
+        self.pipeline_order = {r: [a for a in acts if a.is_compute_op] for r, acts in lowered.items()}
+        self.pipeline_order_with_comms = add_send_recv(
+            lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages
+        )
+        self._has_backward = backward
+        self.inferring_metadata = False
+
+    def _initialize_stages(self, *args: Any, **kwargs: Any) -> None:
+        # torch's shape inference ends by setting every FSDP parameter's .grad to None; keep what earlier
+        # steps of a gradient-accumulation window accumulated.
+        grads = {p: p.grad for stage in self._stages for p in stage.submod.parameters() if p.grad is not None}
+        self.inferring_metadata = True
+        try:
+            super()._initialize_stages(*args, **kwargs)
+        finally:
+            self.inferring_metadata = False
+        for param, grad in grads.items():
+            param.grad = grad
+
+    def run(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]] | None,
+        target_mbs: list[torch.Tensor],
+    ) -> None:
+        """Run every action of this rank's list once over the given micro-batches."""
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)

@@ -1,0 +1,321 @@
+"""Pipeline schedules as data: per-rank ordered action lists, generated, validated and lowered. Pure.
+
+A schedule is ``dict[pipeline_rank, list[Action]]``. Generators produce the *compute* actions (forward
+``F`` and backward ``B`` of one micro-batch through one stage); :func:`add_sharding_actions` then inserts
+the data-parallel actions (``UNSHARD`` = all-gather a stage's weights, ``RESHARD`` = free them,
+``REDUCE_GRAD`` = reduce its gradients); the execution half turns the result into torch's own action IR
+and lets torch add the point-to-point sends and receives. Nothing here imports ``torch``: a schedule is
+generated, checked and printed in microseconds, and the same lists are what the runtime executes.
+
+The string form is torch's: ``2F0`` is stage 2, forward, micro-batch 0; ``1UNSHARD`` acts on stage 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from lightning_bfpp.partition import rank_stages, stage_rank
+
+
+class Kind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+
+
+F, B = Kind.FORWARD, Kind.BACKWARD
+UNSHARD, RESHARD, REDUCE_GRAD = Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD
+COMPUTE = (F, B)
+
+_ACTION_RE = re.compile(r"^(\d+)(F|B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``kind`` on ``stage`` (for compute actions, on ``microbatch``)."""
+
+    stage: int
+    kind: Kind
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{'' if self.microbatch is None else self.microbatch}"
+
+    __repr__ = __str__
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '1B3', '0UNSHARD')")
+        stage, kind, mb = match.groups()
+        return Action(int(stage), Kind(kind), int(mb) if mb else None)
+
+
+Schedule = dict[int, list[Action]]
+
+
+def parse_schedule(rows: Mapping[int, Iterable[str]] | Sequence[Iterable[str]]) -> Schedule:
+    """Build a schedule from strings, e.g. ``{0: ["0F0", "0F1"], 1: [...]}`` or a list of rows."""
+    items = rows.items() if isinstance(rows, Mapping) else enumerate(rows)
+    return {rank: [Action.parse(a) for a in row] for rank, row in items}
+
+
+# --------------------------------------------------------------------------------------------------
+# generators
+
+
+def breadth_first(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """The breadth-first schedule (Lamy-Poirier, MLSys 2023) on the looping placement.
+
+    Each rank runs every micro-batch through one local stage before moving to its next local stage, in
+    stage order; then the backward visits the local stages in reverse order, again all micro-batches per
+    stage. Each stage is therefore visited once per forward sweep and once per backward sweep, which is what
+    lets sharded data parallelism gather its weights once per sweep and reduce its gradients once.
+    """
+    p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    schedule: Schedule = {}
+    for rank in range(p):
+        stages = rank_stages(rank, p, v)
+        actions = [Action(s, F, mb) for s in stages for mb in range(m)]
+        actions += [Action(s, B, mb) for s in reversed(stages) for mb in range(m)]
+        schedule[rank] = actions
+    return schedule
+
+
+def forward_only(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """Breadth-first forwards without backward: the evaluation schedule (validation, test, predict)."""
+    p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    return {r: [Action(s, F, mb) for s in rank_stages(r, p, v) for mb in range(m)] for r in range(p)}
+
+
+SCHEDULE_GENERATORS = {"breadth_first": breadth_first}
+
+
+def generate(name: str, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """The compute-only training schedule called ``name``."""
+    try:
+        generator = SCHEDULE_GENERATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_GENERATORS)}") from None
+    return generator(pipeline_parallel_size, stages_per_rank, num_microbatches)
+
+
+def _check_sizes(p: int, v: int, m: int) -> tuple[int, int, int]:
+    for name, value in (("pipeline_parallel_size", p), ("stages_per_rank", v), ("num_microbatches", m)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return p, v, m
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute something twice, miss something, or deadlock."""
+
+
+def validate(
+    schedule: Mapping[int, Sequence[Action]],
+    pipeline_parallel_size: int,
+    stages_per_rank: int,
+    num_microbatches: int,
+    *,
+    backward: bool = True,
+) -> None:
+    """Check a compute-only schedule: complete, placed correctly, and executable without deadlock.
+
+    Rules: every stage runs every micro-batch's forward exactly once (and, if ``backward``, its backward
+    exactly once), on the rank the looping placement gives it; and executing every rank's list in order,
+    where a forward waits for the previous stage's forward of the same micro-batch and a backward waits for
+    its own forward and the next stage's backward, finishes. Raises :class:`ScheduleError` with the whole
+    schedule printed on failure.
+    """
+    p, v, m = pipeline_parallel_size, stages_per_rank, num_microbatches
+    num_stages = p * v
+    if sorted(schedule) != list(range(p)):
+        raise ScheduleError(f"schedule must have ranks 0..{p - 1}, has {sorted(schedule)}")
+    seen: Counter[tuple[int, Kind, int | None]] = Counter()
+    for rank, actions in schedule.items():
+        for a in actions:
+            if not a.is_compute:
+                raise ScheduleError(f"rank {rank}: {a} is not a compute action; validate before lowering")
+            if not 0 <= a.stage < num_stages:
+                raise ScheduleError(f"rank {rank}: {a} names stage {a.stage}; there are {num_stages}")
+            if stage_rank(a.stage, p) != rank:
+                raise ScheduleError(
+                    f"rank {rank}: {a} belongs on rank {stage_rank(a.stage, p)} (stage s lives on rank s mod p)"
+                )
+            if a.microbatch is None or not 0 <= a.microbatch < m:
+                raise ScheduleError(f"rank {rank}: {a} names micro-batch {a.microbatch}; there are {m}")
+            if a.kind is B and not backward:
+                raise ScheduleError(f"rank {rank}: {a} is a backward in a forward-only schedule")
+            seen[(a.stage, a.kind, a.microbatch)] += 1
+    kinds = (F, B) if backward else (F,)
+    for s in range(num_stages):
+        for kind in kinds:
+            for mb in range(m):
+                count = seen[(s, kind, mb)]
+                if count != 1:
+                    raise ScheduleError(
+                        f"stage {s} runs {Action(s, kind, mb)} {count} times, expected once\n"
+                        + format_schedule(schedule)
+                    )
+    _check_executable(schedule, num_stages)
+
+
+def _check_executable(schedule: Mapping[int, Sequence[Action]], num_stages: int) -> None:
+    done: set[tuple[int, Kind, int | None]] = set()
+    cursor = dict.fromkeys(schedule, 0)
+    remaining = sum(len(a) for a in schedule.values())
+    while remaining:
+        progress = False
+        for rank, actions in schedule.items():
+            while cursor[rank] < len(actions) and _ready(actions[cursor[rank]], done, num_stages):
+                a = actions[cursor[rank]]
+                done.add((a.stage, a.kind, a.microbatch))
+                cursor[rank] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            blocked = ", ".join(
+                f"rank {r} waits at {acts[cursor[r]]}" for r, acts in schedule.items() if cursor[r] < len(acts)
+            )
+            raise ScheduleError(f"schedule deadlocks: {blocked}\n" + format_schedule(schedule))
+
+
+def _ready(a: Action, done: set[tuple[int, Kind, int | None]], num_stages: int) -> bool:
+    if a.kind is F:
+        return a.stage == 0 or (a.stage - 1, F, a.microbatch) in done
+    if a.kind is B:
+        own_forward = (a.stage, F, a.microbatch) in done
+        downstream = a.stage == num_stages - 1 or (a.stage + 1, B, a.microbatch) in done
+        return own_forward and downstream
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# lowering: data-parallel actions
+
+Sharding = str  # "full_shard" | "shard_grad_op" | "no_shard"
+
+
+def add_sharding_actions(
+    actions: Sequence[Action], sharding: Sharding, num_microbatches: int, *, prefetch: bool = True
+) -> list[Action]:
+    """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
+
+    The unit is a *visit*: a maximal run of consecutive compute actions on one stage. A stage is unsharded
+    (its weights all-gathered) for a visit; with ``prefetch`` the next visit's stage is unsharded when the
+    current visit starts, so its gather overlaps this visit's compute. ``REDUCE_GRAD`` follows a stage's
+    last backward. When a stage is released depends on ``sharding``:
+
+    - ``"full_shard"`` (ZeRO-3): after every visit, unless the next visit is to the same stage (as with the
+      last local stage, whose forward sweep is followed by its backward sweep).
+    - ``"shard_grad_op"`` (ZeRO-2) and ``"no_shard"``: after the stage's gradients are reduced (or, without
+      backward, after its last forward), so the weights are gathered once per step.
+
+    Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
+    ``shard_grad_op``, and at most two stages' full weights resident at once with ``full_shard``.
+
+    Written here rather than taken from torch's ``_add_unshard_reshard`` because that pass keeps up to three
+    stages unsharded (a fixed look-ahead of three distinct stages), which for ``v ≤ 3`` never reshards at all
+    and gives up ZeRO-3's memory saving, and it has no ZeRO-2 variant.
+    """
+    if sharding not in ("full_shard", "shard_grad_op", "no_shard"):
+        raise ValueError(f"unknown sharding {sharding!r}")
+    visits = _visits(actions)
+    has_backward = any(a.kind is B for a in actions)
+    last_forward_visit = {v_stage: i for i, (v_stage, kind, _) in enumerate(visits) if kind is F}
+    backward_count: Counter[int] = Counter()
+    out: list[Action] = []
+    active: list[int] = []
+
+    def unshard(stage: int) -> None:
+        active.append(stage)
+        out.append(Action(stage, UNSHARD))
+
+    def reshard(stage: int) -> None:
+        active.remove(stage)
+        out.append(Action(stage, RESHARD))
+
+    for i, (stage, kind, run) in enumerate(visits):
+        next_stage = visits[i + 1][0] if i + 1 < len(visits) else None
+        if stage not in active:
+            unshard(stage)
+        if prefetch and next_stage is not None and next_stage != stage and next_stage not in active:
+            unshard(next_stage)
+        out.extend(run)
+        finished = False
+        if kind is B:
+            backward_count[stage] += len(run)
+            if backward_count[stage] == num_microbatches:
+                out.append(Action(stage, REDUCE_GRAD))
+                finished = True
+        elif not has_backward and last_forward_visit[stage] == i:
+            finished = True
+        if next_stage == stage:
+            continue
+        if sharding == "full_shard" or finished:
+            reshard(stage)
+    for stage in list(active):
+        reshard(stage)
+    return out
+
+
+def lower(schedule: Mapping[int, Sequence[Action]], sharding: Sharding, num_microbatches: int) -> Schedule:
+    """:func:`add_sharding_actions` applied to every rank."""
+    return {r: add_sharding_actions(a, sharding, num_microbatches) for r, a in schedule.items()}
+
+
+def _visits(actions: Sequence[Action]) -> list[tuple[int, Kind, list[Action]]]:
+    visits: list[tuple[int, Kind, list[Action]]] = []
+    for a in actions:
+        if not a.is_compute:
+            raise ValueError(f"{a} is not a compute action; lower a compute-only schedule")
+        if visits and visits[-1][0] == a.stage and visits[-1][1] is a.kind:
+            visits[-1][2].append(a)
+        else:
+            visits.append((a.stage, a.kind, [a]))
+    return visits
+
+
+# --------------------------------------------------------------------------------------------------
+# inspection
+
+
+def count(actions: Iterable[Action], kind: Kind, stage: int | None = None) -> int:
+    return sum(1 for a in actions if a.kind is kind and (stage is None or a.stage == stage))
+
+
+def max_resident_stages(actions: Sequence[Action]) -> int:
+    """The largest number of stages whose full weights are held at once on this rank."""
+    resident = peak = 0
+    for a in actions:
+        if a.kind is UNSHARD:
+            resident += 1
+            peak = max(peak, resident)
+        elif a.kind is RESHARD:
+            resident -= 1
+    return peak
+
+
+def format_schedule(schedule: Mapping[int, Sequence[Action]]) -> str:
+    """One row per rank, one column per step, as torch and the paper draw schedules."""
+    width = max((len(str(a)) for acts in schedule.values() for a in acts), default=3)
+    rows = []
+    for rank in sorted(schedule):
+        cells = " ".join(f"{a!s:>{width}}" for a in schedule[rank])
+        rows.append(f"rank {rank}: {cells}")
+    return "\n".join(rows)

@@ -1,0 +1,50 @@
+"""Sharded data parallelism per pipeline stage (FSDP2), and the device mesh it runs on.
+
+Each stage is one FSDP2 unit over the data-parallel group: ``fully_shard`` for ``"full_shard"`` (ZeRO-3)
+and ``"shard_grad_op"`` (ZeRO-2), FSDP2's ``replicate`` for ``"no_shard"`` (gradients all-reduced).
+FSDP2's own per-forward resharding is switched off (``reshard_after_forward=False``): when a stage's
+weights are gathered and freed is decided by the schedule's UNSHARD / RESHARD actions, once per sweep over
+all micro-batches rather than once per micro-batch. Whatever the sharding, optimizer state follows the
+parameters: sharded when they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_bfpp._compat import replicate
+
+if TYPE_CHECKING:
+    from lightning_bfpp.config import MeshShape
+
+DATA_PARALLEL = "data_parallel"
+PIPELINE_PARALLEL = "pipeline_parallel"
+
+
+def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
+    """The 2-D (data × pipeline) mesh; the ranks of one pipeline are consecutive global ranks."""
+    return init_device_mesh(
+        device.type,
+        (shape.data_parallel_size, shape.pipeline_parallel_size),
+        mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL),
+    )
+
+
+def shard_stage(
+    stage: nn.Module,
+    data_parallel_mesh: DeviceMesh,
+    sharding: str,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Make ``stage`` one data-parallel unit over ``data_parallel_mesh``; parameters become DTensors in place."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    if sharding == "no_shard":
+        return replicate(stage, mesh=data_parallel_mesh, mp_policy=policy)
+    if sharding in ("full_shard", "shard_grad_op"):
+        return fully_shard(stage, mesh=data_parallel_mesh, reshard_after_forward=False, mp_policy=policy)
+    raise ValueError(f"unknown sharding {sharding!r}")

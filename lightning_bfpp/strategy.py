@@ -1,0 +1,280 @@
+"""``BFPPStrategy``: the Lightning adapter. Hooks in Lightning's call order, each delegating to a module.
+
+Builds on Lightning's ``ModelParallelStrategy`` (launcher, process group, collectives, FSDP2-compatible
+precision checks, ``is_distributed``) and replaces what assumes a whole model per rank:
+
+- ``setup_environment``: a (data × pipeline) mesh instead of (data × tensor);
+- ``setup``: partition the module's ``pipeline_layers()``, keep and shard this rank's stages, then create
+  the optimizers over the local, sharded parameters;
+- ``training_step`` / ``validation_step`` / ``test_step``: run the step through the pipeline
+  (:class:`lightning_bfpp.pipeline.Pipeline`), then replay what it logged on every rank
+  (:mod:`lightning_bfpp.logged_values`). Forward and backward both happen inside ``training_step``, so
+  Lightning's own zero-grad and backward are switched off and done here at the same points.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_bfpp import _compat
+from lightning_bfpp._compat import lightning_call
+from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
+from lightning_bfpp.layers import (
+    StageModule,
+    keep_local_layers,
+    layer_weights,
+    materialize_remaining,
+    pipeline_layers,
+)
+from lightning_bfpp.logged_values import LoggedValueSync, combine_microbatches, replay
+from lightning_bfpp.partition import StagePlan
+from lightning_bfpp.pipeline import Pipeline, StepResult
+from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class BFPPStrategy(ModelParallelStrategy):
+    """Breadth-first pipeline parallelism over sharded data parallelism (Lamy-Poirier, MLSys 2023).
+
+    The LightningModule adds one method, ``pipeline_layers()``, returning the ordered modules whose
+    composition is ``forward``; its ``training_step`` stays single-device code calling ``self(...)``.
+
+    Arguments:
+        pipeline_parallel_size: ranks per pipeline (``p``). ``"auto"``: the processes of one node.
+        stages_per_rank: stages each pipeline rank holds (``v``); stage ``s`` lives on rank ``s mod p``.
+            ``"auto"``: 2 if the model has at least ``2p`` layers, else 1.
+        num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
+        schedule: ``"breadth_first"``: all micro-batches through one local stage before the next.
+        sharding: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (replicated,
+            gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage.
+        data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
+        partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), or
+            the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
+        process_group_backend: as for other Lightning strategies (default: gloo on CPU, nccl on CUDA).
+        timeout: process-group timeout.
+    """
+
+    strategy_name = "bfpp"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | Auto = "auto",
+        stages_per_rank: int | Auto = "auto",
+        num_microbatches: int | Auto = "auto",
+        schedule: Literal["breadth_first"] = "breadth_first",
+        sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = "full_shard",
+        data_parallel_size: int | Auto = "auto",
+        partition: PartitionSpec = "parameters",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        _compat.check_torch_version()
+        self.config = PipelineConfig(
+            pipeline_parallel_size=pipeline_parallel_size,
+            stages_per_rank=stages_per_rank,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            sharding=sharding,
+            data_parallel_size=data_parallel_size,
+            partition=partition,
+        )
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.mesh_shape: MeshShape | None = None
+        self.layout: Layout | None = None
+        self.stage_plan: StagePlan | None = None
+        self.pipeline: Pipeline | None = None
+        self._log_sync: LoggedValueSync | None = None
+
+    # -- processes and mesh ------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)
+        self.set_world_ranks()
+        # every rank resolves the same sizes and raises the same error before any collective
+        self.mesh_shape = self.config.resolve_mesh(self.world_size, max(self.num_processes, 1))
+        self._setup_distributed()
+        self._device_mesh = build_mesh(self.root_device, self.mesh_shape)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.device_mesh[PIPELINE_PARALLEL].get_local_rank()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.device_mesh[DATA_PARALLEL].get_local_rank()
+
+    # -- model -------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"
+                " remove `self.automatic_optimization = False` and `manual_backward` from the module."
+            )
+        # values are already reduced over replicas before Lightning sees them (see logged_values)
+        warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
+        if self.pipeline is None:
+            self.pipeline = self._build_pipeline(module)
+        elif self.pipeline.module is not module:
+            raise RuntimeError(
+                "BFPPStrategy was already set up with another LightningModule; create a new strategy (and"
+                " Trainer) per model."
+            )
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_pipeline(self, module: pl.LightningModule) -> Pipeline:
+        assert self.mesh_shape is not None
+        named = pipeline_layers(module)
+        weights = layer_weights(named)
+        self.layout = layout = self.config.resolve_layout(self.mesh_shape, weights)
+        self.stage_plan = plan = StagePlan(
+            tuple(name for name, _ in named), layout.stage_layer_counts, layout.pipeline_parallel_size
+        )
+        owner = [plan.rank_of(s) for s in range(plan.num_stages) for _ in plan.layer_range(s)]
+        local = keep_local_layers(module, named, owner, self.pipeline_rank, self.root_device)
+        materialize_remaining(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        dp_mesh = self.device_mesh[DATA_PARALLEL]
+        stage_modules = []
+        for stage in plan.stages_of(self.pipeline_rank):
+            stage_module = StageModule([local[name] for name in plan.stage_layers(stage)], stage)
+            stage_modules.append(shard_stage(stage_module, dp_mesh, self.config.sharding))
+        rank_zero_info(
+            f"BFPPStrategy: pipeline_parallel_size={layout.pipeline_parallel_size},"
+            f" data_parallel_size={layout.data_parallel_size}, stages_per_rank={layout.stages_per_rank},"
+            f" num_microbatches={layout.num_microbatches}, schedule={self.config.schedule},"
+            f" sharding={self.config.sharding}\n{plan.describe(weights)}"
+        )
+        if layout.num_microbatches < layout.pipeline_parallel_size:
+            rank_zero_warn(
+                f"BFPPStrategy: num_microbatches={layout.num_microbatches} is smaller than"
+                f" pipeline_parallel_size={layout.pipeline_parallel_size}: under the breadth-first schedule every"
+                " loop around the pipeline then waits for its first micro-batch to come back, so ranks idle."
+                " Use at least as many micro-batches as pipeline ranks."
+            )
+        p = layout.pipeline_parallel_size
+        self._log_sync = LoggedValueSync(
+            self.device_mesh[PIPELINE_PARALLEL].get_group() if p > 1 else None,
+            p - 1,
+            dp_mesh.get_group() if layout.data_parallel_size > 1 else None,
+            self.root_device,
+        )
+        return Pipeline(
+            module,
+            plan,
+            stage_modules,
+            self.device_mesh,
+            self.root_device,
+            schedule=self.config.schedule,
+            sharding=self.config.sharding,
+            num_microbatches=layout.num_microbatches,
+        )
+
+    # -- training ----------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # set per batch: a callback (e.g. StochasticWeightAveraging) may have switched it back
+        _compat.set_skip_backward(self.lightning_module.trainer, True)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.pipeline is not None and self.lightning_module is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        batch, batch_idx = args[0], args[1]
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            self._zero_grad(trainer, batch_idx)
+        with self.precision_plugin.train_step_context():
+            m = self.pipeline._microbatches_for(batch)
+            result = self.pipeline.run(
+                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / (m * accumulate)
+            )
+        lightning_call._call_callback_hooks(trainer, "on_after_backward")
+        lightning_call._call_lightning_module_hook(trainer, "on_after_backward")
+        return self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
+
+    def _zero_grad(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        optimizer = trainer.optimizers[0]
+        lightning_call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+        lightning_call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+        lightning_call._call_lightning_module_hook(
+            trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
+        )
+
+    def _share_logs(self, result: StepResult, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the step's logs on every rank; return the step's loss averaged like the logged values."""
+        assert self._log_sync is not None and self.pipeline is not None and self.lightning_module is not None
+        module = self.lightning_module
+        specs = values = None
+        if self.pipeline.holds_last_stage:
+            specs, values = combine_microbatches(result.recorder.records, module)
+            loss = torch.zeros(()) if loss is None else loss
+        specs, values, loss = self._log_sync.share(specs, values, loss)
+        replay(module, specs, values)
+        return loss
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def _eval_step(self, step_name: str, context: Any, args: tuple[Any, ...]) -> None:
+        assert self.pipeline is not None
+        with torch.inference_mode(False), torch.no_grad(), context:
+            result = self.pipeline.run(step_name, args[0], tuple(args[1:]), train=False)
+        self._share_logs(result)
+        return None
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "BFPPStrategy does not run `trainer.predict` yet; run `trainer.validate`/`trainer.test` through the"
+            " pipeline, or load the checkpoint on one device for prediction."
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            _compat.set_skip_backward(self.lightning_module.trainer, False)
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Breadth-first pipeline parallelism over sharded data parallelism (lightning-bfpp)",
+            override=True,
+        )

@@ -1,0 +1,80 @@
+"""Launch pipelined runs as real processes and load what they recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.models import RunSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class RunResult:
+    ranks: list[dict[str, Any]]
+    params: dict[str, torch.Tensor]
+
+    def steps(self, rank: int) -> list[dict[str, Any]]:
+        return self.ranks[rank]["steps"]
+
+
+def run_worker(runs: list[RunSpec], devices: int, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``runs`` one after another in ``devices`` CPU processes; a timeout is reported as a hang."""
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps({"devices": devices, "runs": [r.to_json() for r in runs]}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "tests.distributed.worker", str(spec_path), str(workdir / "out")]
+    try:
+        # a new session, so a hang can be killed with every process Lightning launched
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{_tail(stderr)}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def launch(runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 240) -> dict[str, RunResult]:
+    """Run ``runs`` (see :func:`run_worker`) and load what every rank recorded; fail with the output on error."""
+    proc = run_worker(runs, devices, workdir, timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+    out = workdir / "out"
+    results = {}
+    for run in runs:
+        folder = out / run.name
+        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(devices)]
+        params: dict[str, torch.Tensor] = {}
+        for path in sorted(folder.glob("params_pp*.pt")):
+            params.update(torch.load(path))
+        results[run.name] = RunResult(ranks, params)
+    return results
+
+
+def _tail(text: str | bytes | None, lines: int = 60) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ (absolute when b is zero): one number per tensor, blind to elements that are ~0."""
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -1,0 +1,38 @@
+"""Configuration the pipeline cannot run fails on every rank with one clear message, quickly, never hangs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import run_worker
+from tests.models import RunSpec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (
+            RunSpec(name="bad_split", strategy={"pipeline_parallel_size": 3}),
+            "`pipeline_parallel_size=3` must divide the world size (2",
+        ),
+        (
+            RunSpec(name="tied", strategy={"pipeline_parallel_size": 2}, model={"tie_blocks": True}),
+            "(tied weights). Stages on different ranks cannot share a parameter",
+        ),
+        (
+            RunSpec(
+                name="too_few_layers",
+                strategy={"pipeline_parallel_size": 2, "stages_per_rank": 4},
+                model={"num_blocks": 2},
+            ),
+            "returns 4 layers, fewer than the 8 stages requested",
+        ),
+    ],
+    ids=lambda x: x.name if isinstance(x, RunSpec) else "",
+)
+def test_misconfiguration_fails_fast_on_every_rank(run, message, tmp_path):
+    proc = run_worker([run], 2, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # raised by both ranks

@@ -1,0 +1,133 @@
+"""What each rank holds, gathers, reduces and reads: the breadth-first + FSDP claims, measured.
+
+Instrumented runs on 4 CPU processes, (p, dp, v) = (2, 2, 2): torch's FSDP2 all-gather and gradient
+reduction entry points and the pipeline stages' forward/backward calls are logged per rank, in order.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+
+import pytest
+
+from tests.distributed.harness import launch
+from tests.models import RunSpec, reference_run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def run(name: str, sharding: str, m: int = 4, checks: tuple[str, ...] = ()) -> RunSpec:
+    return RunSpec(
+        name=name,
+        strategy={"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": m, "sharding": sharding},
+        data={"batch_format": "dict"},
+        model={"optimizer": "sgd"},
+        local_batch_size=2 * m,
+        data_parallel_size=2,
+        trainer={"max_steps": 3},
+        checks=list(checks),
+    )
+
+
+RUNS = [
+    run("full_m4", "full_shard", checks=("csv_logger",)),
+    run("full_m8", "full_shard", m=8),
+    run("zero2", "shard_grad_op"),
+    run("replicated", "no_shard"),
+    run("meta_init", "full_shard", checks=("empty_init",)),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharding")
+    return workdir, launch(RUNS, 4, workdir, timeout=480)
+
+
+def step_events(rank_result, step):
+    return [(kind, stage, mb) for s, kind, stage, mb in rank_result["events"] if s == step]
+
+
+EXPECTED_GATHERS = {"full_m4": (2, 1), "full_m8": (2, 1), "zero2": (1, 1), "replicated": (0, 0)}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_GATHERS))
+def test_gathers_once_per_sweep_and_reduces_once_per_step(name, results):
+    _, res = results
+    first_stage_gathers, last_stage_gathers = EXPECTED_GATHERS[name]
+    m = 8 if name == "full_m8" else 4
+    for rank_result in res[name].ranks:
+        local = [rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2)]
+        for step in (2, 3):  # step 1 also infers the stages' shapes
+            events = step_events(rank_result, step)
+            gathers = Counter(stage for kind, stage, _ in events if kind == "gather")
+            reduces = Counter(stage for kind, stage, _ in events if kind == "reduce")
+            forwards = Counter(stage for kind, stage, _ in events if kind == "forward")
+            # independent of the number of micro-batches: once per sweep, not once per micro-batch
+            expected = zip(local, (first_stage_gathers, last_stage_gathers), strict=True)
+            assert gathers == Counter({stage: n for stage, n in expected if n})
+            assert reduces == Counter(dict.fromkeys(local, 1))
+            assert forwards == Counter(dict.fromkeys(local, m))
+
+
+@pytest.mark.parametrize("name", ["full_m4", "full_m8"])
+def test_next_stage_is_prefetched_and_reductions_are_issued_before_remaining_backward(name, results):
+    _, res = results
+    for rank_result in res[name].ranks:
+        first, last = (rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2))
+        events = step_events(rank_result, 3)
+
+        def index(kind, stage, nth=0, events=events):
+            return [i for i, e in enumerate(events) if e[0] == kind and e[1] == stage][nth]
+
+        # the last local stage's gather is issued before the first local stage computes its first micro-batch
+        assert index("gather", last) < index("forward", first)
+        # the first stage's weights for the backward sweep are gathered before the last stage's backward starts
+        assert index("gather", first, 1) < index("backward", last)
+        # the last stage's gradients are reduced as soon as its sweep ends, before the first stage's backward
+        assert index("backward", last, -1) < index("reduce", last) < index("backward", first)
+
+
+def test_each_rank_holds_only_its_shard_of_its_stages(results):
+    _, res = results
+    for name in ("full_m4", "meta_init"):
+        for rank_result in res[name].ranks:
+            holdings = rank_result["holdings"]
+            local = set(holdings["local_layers"])
+            assert holdings["remote_layers"] and not local & set(holdings["remote_layers"])
+            for param, info in holdings["params"].items():
+                layer = param.rsplit(".", 2)[0] if param.startswith("blocks.") else param.split(".")[0]
+                assert layer in local, f"{param} is held but its layer lives elsewhere"
+                assert info["dtensor"] and not info["meta"]
+                assert info["local_numel"] <= -(-info["numel"] // 2) + 16  # a dim-0 shard over 2 replicas
+
+
+def test_meta_device_model_trains(results):
+    _, res = results
+    losses = [[s["callback_metrics"]["train_loss"] for s in r["steps"]] for r in res["meta_init"].ranks]
+    assert len(losses[0]) == 3 and all(loss == losses[0] for loss in losses)
+
+
+def test_pipeline_ranks_share_a_batch_and_replicas_split_the_data(results):
+    _, res = results
+    ranks = res["full_m4"].ranks
+    ref_steps, _ = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    for step in range(3):
+        by_replica = {}
+        for r in ranks:
+            dp = r["holdings"]["data_parallel_rank"]
+            indices = r["steps"][step]["indices"]
+            assert by_replica.setdefault(dp, indices) == indices  # same batch along the pipeline
+        assert not set(by_replica[0]) & set(by_replica[1])
+        assert sorted(by_replica[0] + by_replica[1]) == sorted(ref_steps[step]["indices"])
+
+
+def test_logger_on_rank_zero_writes_the_last_stage_loss(results):
+    workdir, res = results
+    # global rank 0 holds stage 0 and never computes a loss; its logger must still write the global-batch value
+    assert res["full_m4"].ranks[0]["holdings"]["pipeline_rank"] == 0
+    rows = list(csv.DictReader((workdir / "out" / "full_m4" / "logs" / "version_0" / "metrics.csv").open()))
+    ref_steps, _ = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    assert logged == pytest.approx([s["callback_metrics"]["train_loss"] for s in ref_steps], rel=1e-5)

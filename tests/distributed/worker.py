@@ -1,0 +1,156 @@
+"""Runs the pipelined training runs of a JSON spec on CPU processes and writes what the tests compare.
+
+Usage (the tests do this): ``python -m tests.distributed.worker SPEC.json OUT_DIR``. Lightning's launcher
+re-runs the same command for every further local rank; all runs in a spec share one world size and run
+one after the other in the same processes.
+
+Per run and rank it writes ``OUT_DIR/<run>/rank<R>.json``: the metrics each step logged and returned, the
+batch indices it saw, and (instrumented here, not in the package) when each stage's weights were gathered
+and its gradients reduced relative to the stages' forward and backward work. The data-parallel rank 0 of
+each pipeline rank also writes ``params_pp<P>.pt``: the full tensors of that rank's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+from lightning.pytorch.loggers import CSVLogger
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+import lightning_bfpp  # noqa: F401  (registers "bfpp")
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.layers import RemoteLayer
+from tests.models import RunSpec, StepRecorder, make_dataset, make_model, trainer_defaults
+
+
+class EventLog:
+    """Gathers, reductions and compute per stage, in the order this rank issued them."""
+
+    def __init__(self) -> None:
+        self.events: list[list[Any]] = []
+        self.stage_of_param: dict[int, int] = {}
+        self.step = 0
+
+    def install(self) -> None:
+        gather, reduce = fsdp_param_group.foreach_all_gather, fsdp_param_group.foreach_reduce
+        log = self
+
+        def counted_gather(fsdp_params, *args, **kwargs):
+            log.record("gather", fsdp_params)
+            return gather(fsdp_params, *args, **kwargs)
+
+        def counted_reduce(fsdp_params, *args, **kwargs):
+            log.record("reduce", fsdp_params)
+            return reduce(fsdp_params, *args, **kwargs)
+
+        fsdp_param_group.foreach_all_gather = counted_gather
+        fsdp_param_group.foreach_reduce = counted_reduce
+        forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
+
+        def forward_one_chunk(stage, chunk, *args, **kwargs):
+            log.events.append([log.step, "forward", stage.stage_index, chunk])
+            return forward(stage, chunk, *args, **kwargs)
+
+        def backward_one_chunk(stage, chunk, *args, **kwargs):
+            if stage.has_backward:
+                log.events.append([log.step, "backward", stage.stage_index, chunk])
+            return backward(stage, chunk, *args, **kwargs)
+
+        PipelineStage.forward_one_chunk = forward_one_chunk
+        PipelineStage.backward_one_chunk = backward_one_chunk
+
+    def record(self, what: str, fsdp_params: list[Any]) -> None:
+        stage = self.stage_of_param.get(id(fsdp_params[0].sharded_param), -1)
+        self.events.append([self.step, what, stage, None])
+
+
+class Probe(L.Callback):
+    """Ties the event log to training steps and checks what each rank holds after setup."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+        self.holdings: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, BFPPStrategy) and strategy.pipeline is not None
+        pipeline = strategy.pipeline
+        self.events.stage_of_param = {
+            id(p): stage
+            for stage, module in zip(pipeline.local_stages, pipeline.stage_modules, strict=True)
+            for p in module.parameters()
+        }
+        local_layers = set(strategy.stage_plan.layers_of(strategy.pipeline_rank))
+        self.holdings = {
+            "pipeline_rank": strategy.pipeline_rank,
+            "data_parallel_rank": strategy.data_parallel_rank,
+            "local_layers": sorted(local_layers),
+            "remote_layers": sorted(n for n, m in pl_module.named_modules() if isinstance(m, RemoteLayer)),
+            "params": {
+                n: {
+                    "local_numel": _local_numel(p),
+                    "numel": p.numel(),
+                    "meta": p.is_meta,
+                    "dtensor": isinstance(p, DTensor),
+                }
+                for n, p in pl_module.named_parameters()
+            },
+        }
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.events.step = trainer.global_step + 1
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    events.events.clear()
+    recorder, probe = StepRecorder(), Probe(events)
+    # {"name": "bfpp"} selects the registered strategy name with its defaults, as `Trainer(strategy="bfpp")`
+    strategy: Any = "bfpp" if run.strategy.get("name") == "bfpp" else BFPPStrategy(**run.strategy)
+    kwargs = trainer_defaults(run)
+    if "csv_logger" in run.checks:
+        kwargs["logger"] = CSVLogger(out, name="logs", version=0)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[recorder, probe], **kwargs)
+    if "empty_init" in run.checks:
+        with trainer.init_module(empty_init=True):
+            model = make_model(run)
+    else:
+        model = make_model(run)
+    loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
+    trainer.fit(model, loader)
+    rank = trainer.global_rank
+    result = {"steps": recorder.steps, "events": events.events, "holdings": probe.holdings}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    params = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        params[name] = full.detach().clone()
+    strategy = trainer.strategy
+    if strategy.data_parallel_rank == 0:
+        torch.save(params, out / f"params_pp{strategy.pipeline_rank}.pt")
+    trainer.strategy.barrier()
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    events = EventLog()
+    events.install()
+    for run in spec["runs"]:
+        run_one(RunSpec(**run), spec["devices"], out / run["name"], events)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Small LightningModules and data shared by the multi-process tests and their one-device references.
+
+Written as ordinary single-device Lightning code: the only addition for the pipeline is
+``pipeline_layers()``. Everything is seeded so that the pipelined run and the reference start from
+identical weights and see identical samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+@dataclass
+class ModelSpec:
+    in_dim: int = 6
+    width: int = 16
+    out_dim: int = 3
+    num_blocks: int = 8
+    lr: float = 1e-2
+    seed: int = 0
+    batch_format: str = "tuple"  # or "dict"
+    optimizer: str = "adamw"  # or "sgd"
+    log_extras: bool = True
+    tie_blocks: bool = False  # share a weight between the first and last block (not pipelinable)
+
+
+class PipeNet(L.LightningModule):
+    def __init__(self, **spec: Any) -> None:
+        super().__init__()
+        self.spec = ModelSpec(**spec)
+        s = self.spec
+        torch.manual_seed(s.seed)
+        self.embed = nn.Linear(s.in_dim, s.width)
+        self.blocks = nn.ModuleList([Block(s.width) for _ in range(s.num_blocks)])
+        self.head = nn.Sequential(nn.LayerNorm(s.width), nn.Linear(s.width, s.out_dim))
+        if s.tie_blocks:
+            self.blocks[-1].up.weight = self.blocks[0].up.weight
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def _unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.spec.batch_format == "dict":
+            return batch["x"], batch["y"]
+        return batch[0], batch[1]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self._unpack(batch)
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.log("train_loss", loss, prog_bar=True)
+        if self.spec.log_extras:
+            self.log("samples", float(len(x)), reduce_fx="sum")
+            self.log("max_err", (out - y).abs().max(), reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self._unpack(batch)
+        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.spec.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.spec.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.spec.lr, weight_decay=0.01)
+
+
+@dataclass
+class DataSpec:
+    num_samples: int = 64
+    seed: int = 1
+    batch_format: str = "tuple"
+
+
+class RegressionData(Dataset):
+    """Random inputs and a fixed random nonlinear target; item ``i`` is the same on every process."""
+
+    def __init__(self, spec: DataSpec, in_dim: int, out_dim: int) -> None:
+        g = torch.Generator().manual_seed(spec.seed)
+        self.x = torch.randn(spec.num_samples, in_dim, generator=g)
+        w = torch.randn(in_dim, out_dim, generator=g)
+        self.y = torch.tanh(self.x @ w) + 0.1 * torch.randn(spec.num_samples, out_dim, generator=g)
+        self.format = spec.batch_format
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        if self.format == "dict":
+            return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
+        return self.x[i], self.y[i]
+
+
+@dataclass
+class RunSpec:
+    """One training run: the same spec drives the pipelined run and its one-device reference."""
+
+    name: str
+    strategy: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    local_batch_size: int = 8
+    data_parallel_size: int = 1
+    checks: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_model(run: RunSpec) -> PipeNet:
+    spec = dict(run.model)
+    spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
+    return PipeNet(**spec)
+
+
+def make_dataset(run: RunSpec) -> RegressionData:
+    model = ModelSpec(**run.model)
+    return RegressionData(DataSpec(**run.data), model.in_dim, model.out_dim)
+
+
+def trainer_defaults(run: RunSpec) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "max_steps": 6,
+        "log_every_n_steps": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    kwargs.update(run.trainer)
+    return kwargs
+
+
+class StepRecorder(L.Callback):
+    """Records, on this rank, what each training step logged and returned."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        record = {
+            "step": trainer.global_step,
+            "returned_loss": float(loss),
+            "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+        }
+        if isinstance(batch, dict) and "index" in batch:
+            record["indices"] = batch["index"].tolist()
+        self.steps.append(record)
+
+
+def reference_run(run: RunSpec) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Train ``run`` on one process with ``strategy="auto"`` on the global batch.
+
+    Lightning shuffles a distributed training set with ``DistributedSampler(shuffle=True, seed=0)``; the k-th
+    global batch of the data-parallel replicas together is the k-th slice of that permutation, which is
+    what this sampler gives one process with the global batch size.
+    """
+    model = make_model(run)
+    data = make_dataset(run)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)
+    recorder = StepRecorder()
+    kwargs = trainer_defaults(run)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **kwargs)
+    trainer.fit(model, loader)
+    return recorder.steps, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,95 @@
+"""The module side of the contract: layer discovery, its errors, and keeping only local layers."""
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_bfpp.layers import (
+    RemoteLayer,
+    StageModule,
+    keep_local_layers,
+    layer_weights,
+    materialize_remaining,
+    pipeline_layers,
+)
+
+
+class Net(L.LightningModule):
+    def __init__(self, n=4):
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(n)])
+        self.head = nn.Linear(8, 2)
+
+    def pipeline_layers(self):
+        return [self.embed, *self.blocks, self.head]
+
+
+def test_layers_keep_the_module_names():
+    named = pipeline_layers(Net())
+    assert [n for n, _ in named] == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert layer_weights(named) == [32, 72, 72, 72, 72, 18]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda net: setattr(net, "pipeline_layers", None), TypeError, "has no `pipeline_layers"),
+        (lambda net: setattr(net, "pipeline_layers", lambda: [net.embed, torch.relu]), TypeError, "not an nn.Module"),
+        (lambda net: setattr(net, "pipeline_layers", lambda: [net.embed, net.embed]), ValueError, "twice"),
+        (lambda net: setattr(net, "pipeline_layers", lambda: [nn.Linear(2, 2)]), ValueError, "not a submodule"),
+        (lambda net: setattr(net, "pipeline_layers", lambda: [net.blocks, net.blocks[0]]), ValueError, "inside"),
+        (lambda net: setattr(net, "pipeline_layers", lambda: []), ValueError, "no layers"),
+        (lambda net: setattr(net.head, "weight", net.embed.weight), ValueError, "tied weights"),
+        (lambda net: setattr(net, "temperature", nn.Parameter(torch.ones(()))), ValueError, "belong to no pipeline"),
+    ],
+)
+def test_contract_violations_are_explained(mutate, error, match):
+    net = Net()
+    mutate(net)
+    with pytest.raises(error, match=match):
+        pipeline_layers(net)
+
+
+def test_meta_model_materializes_only_local_layers():
+    with torch.device("meta"):
+        net = Net()
+    named = pipeline_layers(net)
+    owner = [0, 0, 1, 1, 0, 1]
+    local = keep_local_layers(net, named, owner, pipeline_rank=1, device=torch.device("cpu"))
+    materialize_remaining(net, torch.device("cpu"))
+    assert sorted(local) == ["blocks.1", "blocks.2", "head"]
+    assert isinstance(net.embed, RemoteLayer) and isinstance(net.blocks[3], RemoteLayer)
+    assert all(not p.is_meta for p in net.parameters())
+    names = {n for n, _ in net.named_parameters()}
+    assert names == {f"{layer}.{p}" for layer in ("blocks.1.0", "blocks.2.0", "head") for p in ("weight", "bias")}
+    with pytest.raises(RuntimeError, match="lives on pipeline rank 0"):
+        net.embed(torch.zeros(1, 3))
+
+
+def test_alias_of_a_remote_layer_is_refused():
+    net = Net()
+    net.last = net.blocks[3]  # the same layer reachable under a second name
+    named = pipeline_layers(net)
+    with pytest.raises(ValueError, match="still reachable"):
+        keep_local_layers(net, named, [0, 0, 0, 1, 1, 1], pipeline_rank=0, device=torch.device("cpu"))
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, 2 * x
+
+
+class Add(nn.Module):
+    def forward(self, pair):
+        a, b = pair
+        return a + b
+
+
+def test_stage_module_passes_tuples_like_one_device():
+    first = StageModule([nn.Identity(), Pair()], stage_index=0)
+    second = StageModule([Add()], stage_index=1)
+    x = torch.ones(2)
+    # torch's pipeline unpacks a tuple output into several positional inputs of the next stage
+    assert torch.equal(second(*first(x)), 3 * x)

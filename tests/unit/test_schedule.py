@@ -1,0 +1,158 @@
+"""The schedule generator, validator and data-parallel lowering, as pure functions (no processes)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_bfpp.schedule import (
+    REDUCE_GRAD,
+    RESHARD,
+    UNSHARD,
+    Action,
+    B,
+    F,
+    Kind,
+    ScheduleError,
+    add_sharding_actions,
+    breadth_first,
+    count,
+    format_schedule,
+    forward_only,
+    lower,
+    max_resident_stages,
+    parse_schedule,
+    validate,
+)
+
+
+def strings(actions):
+    return [str(a) for a in actions]
+
+
+def test_action_string_form_round_trips_like_torch():
+    assert str(Action(2, F, 0)) == "2F0"
+    assert str(Action(1, UNSHARD)) == "1UNSHARD"
+    assert str(Action(3, REDUCE_GRAD)) == "3REDUCE_GRAD"
+    for text in ("2F0", "13B7", "0UNSHARD", "4RESHARD", "5REDUCE_GRAD"):
+        assert str(Action.parse(text)) == text
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse("2X0")
+
+
+def test_breadth_first_golden_p2_v2_m4():
+    # every micro-batch through one local stage before the next; backward in reverse stage order
+    schedule = breadth_first(2, 2, 4)
+    assert strings(schedule[0]) == [
+        "0F0", "0F1", "0F2", "0F3", "2F0", "2F1", "2F2", "2F3",
+        "2B0", "2B1", "2B2", "2B3", "0B0", "0B1", "0B2", "0B3",
+    ]  # fmt: skip
+    assert strings(schedule[1]) == [
+        "1F0", "1F1", "1F2", "1F3", "3F0", "3F1", "3F2", "3F3",
+        "3B0", "3B1", "3B2", "3B3", "1B0", "1B1", "1B2", "1B3",
+    ]  # fmt: skip
+    validate(schedule, 2, 2, 4)
+
+
+def test_forward_only_has_no_backward_and_validates_as_such():
+    schedule = forward_only(2, 2, 2)
+    assert strings(schedule[1]) == ["1F0", "1F1", "3F0", "3F1"]
+    validate(schedule, 2, 2, 2, backward=False)
+    with pytest.raises(ScheduleError, match="expected once"):
+        validate(schedule, 2, 2, 2, backward=True)
+
+
+def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
+    lowered = add_sharding_actions(breadth_first(2, 2, 4)[0], "full_shard", 4)
+    assert strings(lowered) == [
+        "0UNSHARD", "2UNSHARD",  # stage 2's gather is issued before stage 0 computes: prefetch
+        "0F0", "0F1", "0F2", "0F3", "0RESHARD",
+        "2F0", "2F1", "2F2", "2F3",  # last local stage: kept from its forward sweep to its backward sweep
+        "0UNSHARD",  # prefetch stage 0 for its backward sweep
+        "2B0", "2B1", "2B2", "2B3", "2REDUCE_GRAD", "2RESHARD",
+        "0B0", "0B1", "0B2", "0B3", "0REDUCE_GRAD", "0RESHARD",
+    ]  # fmt: skip
+
+
+def test_shard_grad_op_gathers_once_per_step():
+    lowered = add_sharding_actions(breadth_first(2, 3, 2)[1], "shard_grad_op", 2)
+    assert count(lowered, UNSHARD) == 3
+    for stage in (1, 3, 5):
+        assert count(lowered, UNSHARD, stage) == 1
+        assert count(lowered, REDUCE_GRAD, stage) == 1
+        # released only after its gradients are reduced
+        assert strings(lowered).index(f"{stage}RESHARD") == strings(lowered).index(f"{stage}REDUCE_GRAD") + 1
+
+
+def test_forward_only_lowering_releases_after_last_forward():
+    lowered = add_sharding_actions(forward_only(2, 2, 2)[0], "full_shard", 2)
+    assert strings(lowered) == ["0UNSHARD", "2UNSHARD", "0F0", "0F1", "0RESHARD", "2F0", "2F1", "2RESHARD"]
+    assert count(lowered, REDUCE_GRAD) == 0
+
+
+def test_validate_rejects_wrong_rank_missing_work_and_deadlock():
+    good = breadth_first(2, 1, 2)
+    bad_rank = {0: list(good[0]), 1: list(good[1])}
+    bad_rank[0][0] = Action(1, F, 0)
+    with pytest.raises(ScheduleError, match="belongs on rank 1"):
+        validate(bad_rank, 2, 1, 2)
+    missing = {0: good[0][:-1], 1: good[1]}
+    with pytest.raises(ScheduleError, match="0 times"):
+        validate(missing, 2, 1, 2)
+    # rank 1 runs backward of micro-batch 1 before the forward of micro-batch 1 arrives: fine;
+    # but rank 0 waiting for a backward before sending the forward it depends on deadlocks
+    deadlock = parse_schedule({0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F0", "1F1", "1B1", "1B0"]})
+    with pytest.raises(ScheduleError, match="deadlocks") as excinfo:
+        validate(deadlock, 2, 1, 2)
+    assert "rank 0:" in str(excinfo.value)  # the whole schedule is printed
+
+
+def test_format_schedule_prints_one_row_per_rank():
+    text = format_schedule(breadth_first(2, 1, 2))
+    assert text.splitlines()[0].split() == ["rank", "0:", "0F0", "0F1", "0B0", "0B1"]
+
+
+sizes = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 9))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes)
+def test_breadth_first_is_valid_for_any_sizes(pvm):
+    p, v, m = pvm
+    schedule = breadth_first(p, v, m)
+    validate(schedule, p, v, m)
+    for rank, actions in schedule.items():
+        # breadth-first: each local stage is visited exactly once per direction
+        visits = [a.stage for i, a in enumerate(actions) if i == 0 or actions[i - 1].stage != a.stage]
+        assert len(visits) == 2 * v - 1  # the last local stage's two sweeps are adjacent
+        assert {a.stage for a in actions} == {rank + k * p for k in range(v)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes, st.sampled_from(["full_shard", "shard_grad_op", "no_shard"]))
+def test_lowering_is_consistent_for_any_sizes(pvm, sharding):
+    p, v, m = pvm
+    lowered = lower(breadth_first(p, v, m), sharding, m)
+    for actions in lowered.values():
+        resident: set[int] = set()
+        used_since_unshard: set[int] = set()
+        for a in actions:
+            if a.kind is UNSHARD:
+                assert a.stage not in resident
+                resident.add(a.stage)
+            elif a.kind is RESHARD:
+                assert a.stage in resident and a.stage in used_since_unshard  # never gather for nothing
+                resident.remove(a.stage)
+                used_since_unshard.discard(a.stage)
+            elif a.kind in (F, B):
+                assert a.stage in resident, f"{a} computes on a sharded stage"
+                used_since_unshard.add(a.stage)
+        assert not resident
+        gathers = count(actions, UNSHARD)
+        assert gathers == (2 * v - 1 if sharding == "full_shard" else v)
+        assert count(actions, REDUCE_GRAD) == v
+        assert max_resident_stages(actions) <= (min(v, 2) if sharding == "full_shard" else v)
+
+
+def test_lowering_rejects_non_compute_input():
+    with pytest.raises(ValueError, match="compute"):
+        add_sharding_actions([Action(0, Kind.UNSHARD)], "full_shard", 1)
