@@ -103,6 +103,22 @@ def test_each_rank_holds_only_its_shard_of_its_stages(results):
                 assert info["local_numel"] <= -(-info["numel"] // 2) + 16  # a dim-0 shard over 2 replicas
 
 
+@pytest.mark.parametrize(("name", "sharded"), [("full_m4", True), ("zero2", True), ("replicated", False)])
+def test_optimizer_state_follows_the_parameters(name, sharded, results):
+    _, res = results
+    for rank_result in res[name].ranks:
+        holdings = rank_result["holdings"]
+        state = holdings["optimizer_state"]
+        assert set(state) == set(holdings["params"])  # exactly this rank's parameters, nothing else
+        for param, buffers in state.items():
+            momentum = buffers["momentum_buffer"]
+            assert momentum["dtensor"] and momentum["numel"] == holdings["params"][param]["numel"]
+            if sharded and momentum["numel"] >= 4:
+                assert momentum["local_numel"] < momentum["numel"], param
+            elif not sharded:
+                assert momentum["local_numel"] == momentum["numel"], param
+
+
 def test_meta_device_model_trains(results):
     _, res = results
     losses = [[s["callback_metrics"]["train_loss"] for s in r["steps"]] for r in res["meta_init"].ranks]

@@ -108,6 +108,18 @@ class Probe(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.events.step = trainer.global_step + 1
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        optimizer = trainer.optimizers[0]
+        self.holdings["optimizer_state"] = {
+            names[id(p)]: {
+                k: {"local_numel": _local_numel(v), "numel": v.numel(), "dtensor": isinstance(v, DTensor)}
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+            for p, state in optimizer.state.items()
+        }
+
 
 def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
