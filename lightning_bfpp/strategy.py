@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bfpp import _compat
+from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp._compat import lightning_call
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.layers import (
@@ -96,6 +101,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self.stage_plan: StagePlan | None = None
         self.pipeline: Pipeline | None = None
         self._log_sync: LoggedValueSync | None = None
+        self._full_parameter_names: list[str] = []
 
     # -- processes and mesh ------------------------------------------------------------------------
 
@@ -149,6 +155,8 @@ class BFPPStrategy(ModelParallelStrategy):
     def _build_pipeline(self, module: pl.LightningModule) -> Pipeline:
         assert self.mesh_shape is not None
         named = pipeline_layers(module)
+        # the whole model's parameter order, to read single-device optimizer states (see checkpoint.py)
+        self._full_parameter_names = [name for name, _ in module.named_parameters()]
         weights = layer_weights(named)
         self.layout = layout = self.config.resolve_layout(self.mesh_shape, weights)
         self.stage_plan = plan = StagePlan(
@@ -269,6 +277,50 @@ class BFPPStrategy(ModelParallelStrategy):
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             _compat.set_skip_backward(self.lightning_module.trainer, False)
         super().teardown()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return checkpoint_io.model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return checkpoint_io.optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "BFPPStrategy writes distributed checkpoints with torch.distributed.checkpoint and takes no"
+                " `storage_options`."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        state = {checkpoint_io.MODEL_KEY: checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[checkpoint_io.optimizer_key(i)] = optimizer_state
+        checkpoint_io.save(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if checkpoint_io.is_sharded_checkpoint(path):
+            return checkpoint_io.load_sharded(path, module, optimizers, strict=module.strict_loading)
+        if path.is_dir():
+            raise FileNotFoundError(f"{path} is a folder without {_compat._METADATA_FILENAME}; not a checkpoint.")
+        # an ordinary single-file checkpoint, e.g. from one device: take this rank's slices of it
+        loaded = torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
+        checkpoint_io.load_full_weights(module, loaded["state_dict"], strict=module.strict_loading)
+        for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
+            checkpoint_io.load_full_optimizer(module, optimizer, saved, self._full_parameter_names)
+        return loaded
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

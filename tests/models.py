@@ -42,11 +42,14 @@ class ModelSpec:
     optimizer: str = "adamw"  # or "sgd"
     log_extras: bool = True
     tie_blocks: bool = False  # share a weight between the first and last block (not pipelinable)
+    param_groups: int = 1  # 2: weights and the rest (norms, biases) in separate groups, different lr and decay
+    scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
 
 
 class PipeNet(L.LightningModule):
     def __init__(self, **spec: Any) -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.spec = ModelSpec(**spec)
         s = self.spec
         torch.manual_seed(s.seed)
@@ -83,10 +86,25 @@ class PipeNet(L.LightningModule):
         x, y = self._unpack(batch)
         self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.spec.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.spec.lr, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=self.spec.lr, weight_decay=0.01)
+    def configure_optimizers(self) -> Any:
+        s = self.spec
+        if s.param_groups == 2:
+            matrices = [p for p in self.parameters() if p.dim() >= 2]
+            others = [p for p in self.parameters() if p.dim() < 2]
+            params: Any = [{"params": matrices}, {"params": others, "lr": s.lr / 2, "weight_decay": 0.0}]
+        else:
+            params = self.parameters()
+        if s.optimizer == "sgd":
+            optimizer = torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=0.01)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.01)
+        if s.scheduler == "step":
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        if s.scheduler == "epoch":
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.7)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+        return optimizer
 
 
 @dataclass
@@ -127,6 +145,7 @@ class RunSpec:
     local_batch_size: int = 8
     data_parallel_size: int = 1
     checks: list[str] = field(default_factory=list)
+    resume_from: str | None = None  # a checkpoint path, relative to the launch's output folder
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,7 +198,9 @@ class StepRecorder(L.Callback):
         self.steps.append(record)
 
 
-def reference_run(run: RunSpec) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+def reference_run(
+    run: RunSpec, save_to: str | None = None, resume_from: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Train ``run`` on one process with ``strategy="auto"`` on the global batch.
 
     Lightning shuffles a distributed training set with ``DistributedSampler(shuffle=True, seed=0)``; the k-th
@@ -193,5 +214,7 @@ def reference_run(run: RunSpec) -> tuple[list[dict[str, Any]], dict[str, torch.T
     recorder = StepRecorder()
     kwargs = trainer_defaults(run)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **kwargs)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return recorder.steps, {k: v.detach().clone() for k, v in model.state_dict().items()}

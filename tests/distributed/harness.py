@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 class RunResult:
     ranks: list[dict[str, Any]]
     params: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor]
 
     def steps(self, rank: int) -> list[dict[str, Any]]:
         return self.ranks[rank]["steps"]
@@ -57,10 +58,12 @@ def launch(runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 24
     for run in runs:
         folder = out / run.name
         ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(devices)]
-        params: dict[str, torch.Tensor] = {}
+        saved: dict[str, torch.Tensor] = {}
         for path in sorted(folder.glob("params_pp*.pt")):
-            params.update(torch.load(path))
-        results[run.name] = RunResult(ranks, params)
+            saved.update(torch.load(path))
+        params = {k: v for k, v in saved.items() if not k.startswith("optimizer/")}
+        optimizer_state = {k[len("optimizer/") :]: v for k, v in saved.items() if k.startswith("optimizer/")}
+        results[run.name] = RunResult(ranks, params, optimizer_state)
     return results
 
 

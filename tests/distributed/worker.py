@@ -20,7 +20,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -111,6 +113,10 @@ class Probe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         names = {id(p): n for n, p in pl_module.named_parameters()}
         optimizer = trainer.optimizers[0]
+        self.holdings["lrs"] = [group["lr"] for group in optimizer.param_groups]
+        self.holdings["counters"] = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
+        if trainer.lr_scheduler_configs:
+            self.holdings["scheduler"] = trainer.lr_scheduler_configs[0].scheduler.state_dict()
         self.holdings["optimizer_state"] = {
             names[id(p)]: {
                 k: {"local_numel": _local_numel(v), "numel": v.numel(), "dtensor": isinstance(v, DTensor)}
@@ -125,23 +131,45 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+class FailCheckpointWrite(L.Callback):
+    """Makes the data-parallel rank 1 of every pipeline fail while writing the step-2 checkpoint."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+
+            def broken_write(*args: Any, **kwargs: Any) -> Any:
+                raise OSError("injected failure: disk full while writing the checkpoint")
+
+            FileSystemWriter.write_data = broken_write  # type: ignore[method-assign]
+
+
 def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     out.mkdir(parents=True, exist_ok=True)
     events.events.clear()
     recorder, probe = StepRecorder(), Probe(events)
+    callbacks: list[L.Callback] = [recorder, probe]
+    if "fail_save_at_step_2" in run.checks:
+        callbacks.append(FailCheckpointWrite())
+    if "last_checkpoint_every_step" in run.checks:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=0, save_last=True))
     # {"name": "bfpp"} selects the registered strategy name with its defaults, as `Trainer(strategy="bfpp")`
     strategy: Any = "bfpp" if run.strategy.get("name") == "bfpp" else BFPPStrategy(**run.strategy)
     kwargs = trainer_defaults(run)
     if "csv_logger" in run.checks:
         kwargs["logger"] = CSVLogger(out, name="logs", version=0)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[recorder, probe], **kwargs)
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        kwargs["enable_checkpointing"] = True
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks, **kwargs)
     if "empty_init" in run.checks:
         with trainer.init_module(empty_init=True):
             model = make_model(run)
     else:
         model = make_model(run)
     loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
-    trainer.fit(model, loader)
+    ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    if "save_at_end" in run.checks:
+        trainer.save_checkpoint(out / "end.ckpt")
     rank = trainer.global_rank
     result = {"steps": recorder.steps, "events": events.events, "holdings": probe.holdings}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -149,6 +177,12 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         params[name] = full.detach().clone()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in trainer.optimizers[0].state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                params[f"optimizer/{names[id(param)]}/{key}"] = full.detach().clone()
     strategy = trainer.strategy
     if strategy.data_parallel_rank == 0:
         torch.save(params, out / f"params_pp{strategy.pipeline_rank}.pt")
