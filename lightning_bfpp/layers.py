@@ -9,11 +9,12 @@ meta-device model, materializes) only its own stages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_bfpp._compat import _materialize
 
@@ -40,6 +41,36 @@ class RemoteLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.layer_name!r} on pipeline rank {self.pipeline_rank}"
+
+
+class Recompute(nn.Module):
+    """Runs a layer under ``torch.utils.checkpoint``: its activations are recomputed in backward, not stored.
+
+    Breadth-first keeps every micro-batch's activations of every local stage alive until the backward sweep;
+    recomputation bounds that to each layer's input. Wrapping happens only inside the stage module, so the
+    LightningModule's layer (and its parameter names) is untouched.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+def recompute_policy(spec: Any) -> Callable[[nn.Module], bool]:
+    """``activation_checkpointing`` as a predicate on layers: a bool, layer type(s), or a callable."""
+    if isinstance(spec, bool):
+        return lambda layer: spec
+    if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(t, type) for t in spec)):
+        return lambda layer: isinstance(layer, spec)
+    if callable(spec):
+        return spec
+    raise TypeError(
+        "BFPPStrategy: `activation_checkpointing` must be a bool, a layer type (or tuple of types), or a callable"
+        f" taking a layer and returning a bool; got {spec!r}."
+    )
 
 
 class StageModule(nn.Module):

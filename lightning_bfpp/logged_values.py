@@ -67,7 +67,9 @@ def _combine(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     return {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.max, "min": stacked.min}[op]()
 
 
-def combine_microbatches(records: Sequence[LoggedValue], module: LightningModule) -> tuple[list[LogSpec], torch.Tensor]:
+def combine_microbatches(
+    records: Sequence[LoggedValue], module: LightningModule, *, on_step_by_default: bool = True
+) -> tuple[list[LogSpec], torch.Tensor]:
     """One spec and one value per logged name, in order of first logging, over a step's micro-batches.
 
     A logged torchmetrics ``Metric`` contributes its per-micro-batch ``forward`` value (the step value
@@ -91,13 +93,16 @@ def combine_microbatches(records: Sequence[LoggedValue], module: LightningModule
                     f"`self.log({name!r}, metric)`: the metric is not an attribute of the LightningModule;"
                     " assign it in `__init__` so every rank holds the same metric."
                 )
-            caches = [r.value._forward_cache for r in group]  # type: ignore[union-attr]
+            caches = [r.metric_step_value for r in group]
+            on_step = options["on_step"] if options["on_step"] is not None else on_step_by_default
             if any(c is None for c in caches):
-                raise ValueError(
-                    f"`self.log({name!r}, metric)` on a metric whose forward was not called in this step;"
-                    " call `metric(preds, target)` (not only `update`) before logging it per step, or log"
-                    " with `on_step=False`."
-                )
+                if on_step:
+                    raise ValueError(
+                        f"`self.log({name!r}, metric)` logs a metric per step, but its forward was not called in"
+                        " this step; call `metric(preds, target)` (not only `update`) before logging it, or log"
+                        " it with `on_step=False`."
+                    )
+                caches = [torch.tensor(float("nan"))] * len(caches)  # no step value; the epoch value is computed
             step_values = [torch.as_tensor(c).detach() for c in caches]
         else:
             step_values = [r.value for r in group]  # type: ignore[misc]
@@ -185,13 +190,21 @@ class LoggedValueSync:
         return values
 
 
-def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tensor) -> None:
-    """Call ``module.log`` for each name with its combined value, as the step itself would have."""
+def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tensor, *, metric_updated: bool) -> None:
+    """Call ``module.log`` for each name with its combined value, as the step itself would have.
+
+    A logged metric's state lives where it was updated (the last stage); ranks where it was not
+    (``metric_updated=False``) log the same metric object with default states, which add nothing when
+    Lightning's epoch-end ``compute()`` syncs states over all ranks (sum, cat, min and max states), and are
+    marked updated so torchmetrics does not warn about a ``compute`` before ``update``.
+    """
     for spec, value in zip(specs, values, strict=True):
         options = dict(spec.options)
         if spec.metric_attribute is not None:
             metric = module.get_submodule(spec.metric_attribute)
             metric._forward_cache = value.clone()
+            if not metric_updated:
+                metric._update_count += 1
             module.log(spec.name, metric, metric_attribute=spec.metric_attribute, sync_dist=False, **options)
         else:
             module.log(spec.name, value.clone(), sync_dist=False, **options)

@@ -41,6 +41,7 @@ class StepResult:
     outputs: list[Any] = field(default_factory=list)
     recorder: LogRecorder = field(default_factory=LogRecorder)
     num_microbatches: int = 0
+    step_name: str = ""
 
 
 @dataclass
@@ -148,7 +149,7 @@ class Pipeline:
             captured = [capture_model_input(self.module, step, step_name, mb, *step_args) for mb in microbatches]
             arg_mbs = [args for args, _ in captured]
             kwarg_mbs = [kwargs for _, kwargs in captured]
-        result = StepResult(num_microbatches=num_microbatches)
+        result = StepResult(num_microbatches=num_microbatches, step_name=step_name)
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches

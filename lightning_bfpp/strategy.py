@@ -15,35 +15,44 @@ precision checks, ``is_distributed``) and replaces what assumes a whole model pe
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bfpp import _compat
+from lightning_bfpp import _compat, clipping
 from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp._compat import lightning_call
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.layers import (
+    Recompute,
     StageModule,
     keep_local_layers,
     layer_weights,
     materialize_remaining,
     pipeline_layers,
+    recompute_policy,
 )
 from lightning_bfpp.logged_values import LoggedValueSync, combine_microbatches, replay
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
+from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
 
 if TYPE_CHECKING:
@@ -67,6 +76,8 @@ class BFPPStrategy(ModelParallelStrategy):
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
         partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), or
             the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
+        activation_checkpointing: recompute layers' activations in backward instead of storing them:
+            ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
         process_group_backend: as for other Lightning strategies (default: gloo on CPU, nccl on CUDA).
         timeout: process-group timeout.
     """
@@ -82,6 +93,7 @@ class BFPPStrategy(ModelParallelStrategy):
         sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec = "parameters",
+        activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -95,6 +107,7 @@ class BFPPStrategy(ModelParallelStrategy):
             data_parallel_size=data_parallel_size,
             partition=partition,
         )
+        self._recompute = recompute_policy(activation_checkpointing)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.mesh_shape: MeshShape | None = None
         self.layout: Layout | None = None
@@ -102,6 +115,18 @@ class BFPPStrategy(ModelParallelStrategy):
         self.pipeline: Pipeline | None = None
         self._log_sync: LoggedValueSync | None = None
         self._full_parameter_names: list[str] = []
+
+    # -- precision ---------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None:
+            _check_precision(plugin)
+        self._precision_plugin = plugin
 
     # -- processes and mesh ------------------------------------------------------------------------
 
@@ -131,6 +156,14 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, StochasticWeightAveraging):
+                raise RuntimeError(
+                    "BFPPStrategy cannot run StochasticWeightAveraging: it averages and re-evaluates the whole model"
+                    " on every rank and switches Lightning's own backward back on, while each pipeline rank holds"
+                    " a shard of a few stages. Average weights inside the module instead (e.g. an EMA of the"
+                    " local parameters in `on_train_batch_end`), or average checkpoints offline."
+                )
         if not module.automatic_optimization:
             raise RuntimeError(
                 "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"
@@ -146,6 +179,9 @@ class BFPPStrategy(ModelParallelStrategy):
                 " Trainer) per model."
             )
         self.barrier()
+        # Lightning clips by the norm of the gradients a rank holds; the pipeline needs the model's norm
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = partial(self._clip_grad_by_norm, plugin)  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -170,7 +206,9 @@ class BFPPStrategy(ModelParallelStrategy):
         dp_mesh = self.device_mesh[DATA_PARALLEL]
         stage_modules = []
         for stage in plan.stages_of(self.pipeline_rank):
-            stage_module = StageModule([local[name] for name in plan.stage_layers(stage)], stage)
+            layers = [local[name] for name in plan.stage_layers(stage)]
+            layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
+            stage_module = StageModule(layers, stage)
             stage_modules.append(shard_stage(stage_module, dp_mesh, self.config.sharding))
         rank_zero_info(
             f"BFPPStrategy: pipeline_parallel_size={layout.pipeline_parallel_size},"
@@ -242,35 +280,91 @@ class BFPPStrategy(ModelParallelStrategy):
         module = self.lightning_module
         specs = values = None
         if self.pipeline.holds_last_stage:
-            specs, values = combine_microbatches(result.recorder.records, module)
+            specs, values = combine_microbatches(
+                result.recorder.records, module, on_step_by_default=result.step_name == "training_step"
+            )
             loss = torch.zeros(()) if loss is None else loss
         specs, values, loss = self._log_sync.share(specs, values, loss)
-        replay(module, specs, values)
+        replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
         return loss
+
+    def _clip_grad_by_norm(self, plugin: Precision, optimizer: Optimizer, clip_val: float) -> None:
+        clipping.clip_grad_norm(plugin.main_params(optimizer), clip_val, 2.0, self._pipeline_group())
+
+    def gradient_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole model's gradients, over every stage and shard, the same on every rank.
+
+        A collective: call it on every rank, e.g. from ``on_before_optimizer_step`` to log it.
+        Lightning's ``grad_norm`` utility sees only the shards this rank holds.
+        """
+        assert self.lightning_module is not None
+        return clipping.total_norm(self.lightning_module.parameters(), norm_type, self._pipeline_group())
+
+    def _pipeline_group(self) -> Any:
+        assert self.layout is not None
+        return self.device_mesh[PIPELINE_PARALLEL].get_group() if self.layout.pipeline_parallel_size > 1 else None
 
     # -- evaluation --------------------------------------------------------------------------------
 
-    def _eval_step(self, step_name: str, context: Any, args: tuple[Any, ...]) -> None:
+    def _eval_step(self, step_name: str, context: Any, args: tuple[Any, ...]) -> StepResult:
         assert self.pipeline is not None
+        # evaluation may run under inference_mode (NCCL); tensors made there could never join the training
+        # graph that shares these stages' FSDP buffers, so run the pipeline under plain no_grad
         with torch.inference_mode(False), torch.no_grad(), context:
             result = self.pipeline.run(step_name, args[0], tuple(args[1:]), train=False)
-        self._share_logs(result)
-        return None
+        return result
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", self.precision_plugin.val_step_context(), args)
+    def validation_step(self, *args: Any, **kwargs: Any) -> None:
+        self._share_logs(self._eval_step("validation_step", self.precision_plugin.val_step_context(), args))
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", self.precision_plugin.test_step_context(), args)
+    def test_step(self, *args: Any, **kwargs: Any) -> None:
+        self._share_logs(self._eval_step("test_step", self.precision_plugin.test_step_context(), args))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "BFPPStrategy does not run `trainer.predict` yet; run `trainer.validate`/`trainer.test` through the"
-            " pipeline, or load the checkpoint on one device for prediction."
-        )
+        """The batch's predictions, on every rank of the pipeline that computed them."""
+        assert self.pipeline is not None
+        result = self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
+        merged = [merge_microbatches(result.outputs)] if self.pipeline.holds_last_stage else [None]
+        if self.layout is not None and self.layout.pipeline_parallel_size > 1:
+            last = self.layout.pipeline_parallel_size - 1
+            dist.broadcast_object_list(merged, group=self._pipeline_group(), group_src=last, device=self.root_device)
+        return merged[0]
+
+    @override
+    def on_predict_end(self) -> None:
+        """On global rank 0, replace the returned predictions by the whole dataset's, in dataset order."""
+        assert self.layout is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        loop = trainer.predict_loop
+        if self.layout.data_parallel_size == 1 or self.pipeline_rank != 0 or not loop.return_predictions:
+            return
+        group = self.device_mesh[DATA_PARALLEL].get_group()
+        dataloaders = trainer.predict_dataloaders
+        if not isinstance(dataloaders, (list, tuple)):
+            dataloaders = [dataloaders] if dataloaders is not None else []
+        for dataloader_idx, dataloader in enumerate(dataloaders):
+            if dataloader_idx >= len(loop._predictions):
+                break
+            batch_sampler = getattr(dataloader, "batch_sampler", None)
+            indices = getattr(batch_sampler, "seen_batch_indices", None)
+            share = (indices, loop._predictions[dataloader_idx])
+            gathered: list[Any] = [None] * self.layout.data_parallel_size if self.data_parallel_rank == 0 else []
+            dist.gather_object(share, gathered if self.data_parallel_rank == 0 else None, group=group, group_dst=0)
+            if self.data_parallel_rank != 0:
+                continue
+            ordered = None
+            if all(indices is not None for indices, _ in gathered):
+                ordered = in_dataset_order(gathered, getattr(batch_sampler, "batch_size", None) or 1)
+            if ordered is None:
+                rank_zero_warn(
+                    "BFPPStrategy: the predictions have no per-sample structure (tensors or lists whose first"
+                    " dimension is the batch), so `trainer.predict` returns this replica's share only, as with DDP."
+                )
+                continue
+            loop._predictions[dataloader_idx][:] = ordered
 
     @override
     def teardown(self) -> None:
@@ -329,4 +423,30 @@ class BFPPStrategy(ModelParallelStrategy):
             cls,
             description="Breadth-first pipeline parallelism over sharded data parallelism (lightning-bfpp)",
             override=True,
+        )
+
+
+_SUPPORTED_PRECISION = {
+    Precision: ("32-true",),
+    MixedPrecision: ("bf16-mixed",),
+    HalfPrecision: ("bf16-true", "16-true"),
+    DoublePrecision: ("64-true",),
+}
+
+
+def _check_precision(plugin: Precision) -> None:
+    """Refuse precisions the pipeline cannot honour, when the Trainer is built, on every rank."""
+    name = getattr(plugin, "precision", None)
+    if name == "16-mixed":
+        raise ValueError(
+            "BFPPStrategy does not support `precision='16-mixed'`: its gradient scaler scales the loss in"
+            " Lightning's backward, which the pipeline replaces, and would skip steps on some pipeline ranks"
+            " only. Use `precision='bf16-mixed'` (no scaler needed), 'bf16-true' or '32-true'."
+        )
+    allowed = _SUPPORTED_PRECISION.get(type(plugin))
+    if allowed is None or name not in allowed:
+        supported = ", ".join(p for names in _SUPPORTED_PRECISION.values() for p in names)
+        raise ValueError(
+            f"BFPPStrategy does not support the precision plugin {type(plugin).__name__}"
+            f" (precision={name!r}); choose one of: {supported}."
         )

@@ -95,6 +95,7 @@ class LoggedValue:
     name: str
     value: torch.Tensor | Metric
     options: dict[str, Any]
+    metric_step_value: torch.Tensor | None = None  # a metric's forward value when it was logged
 
 
 @dataclass
@@ -118,7 +119,12 @@ class LogRecorder:
                     " logs scalars."
                 )
             value = value.detach().reshape(())
-        elif not isinstance(value, Metric):
+        elif isinstance(value, Metric):
+            cache = value._forward_cache
+            step_value = None if cache is None else torch.as_tensor(cache).detach().clone()
+            self.records.append(LoggedValue(name, value, options, step_value))
+            return
+        else:
             raise TypeError(
                 f"`self.log({name!r}, ...)` under BFPPStrategy takes a number, a scalar tensor or a torchmetrics"
                 f" Metric, got {type(value).__name__}."

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchmetrics.regression import MeanAbsoluteError
 
 
 class Block(nn.Module):
@@ -43,6 +44,7 @@ class ModelSpec:
     log_extras: bool = True
     tie_blocks: bool = False  # share a weight between the first and last block (not pipelinable)
     param_groups: int = 1  # 2: weights and the rest (norms, biases) in separate groups, different lr and decay
+    metrics: bool = False  # torchmetrics MeanAbsoluteError logged from the training, validation and test steps
     scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
 
 
@@ -58,6 +60,8 @@ class PipeNet(L.LightningModule):
         self.head = nn.Sequential(nn.LayerNorm(s.width), nn.Linear(s.width, s.out_dim))
         if s.tie_blocks:
             self.blocks[-1].up.weight = self.blocks[0].up.weight
+        if s.metrics:
+            self.train_mae, self.val_mae, self.test_mae = MeanAbsoluteError(), MeanAbsoluteError(), MeanAbsoluteError()
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
@@ -80,11 +84,31 @@ class PipeNet(L.LightningModule):
         if self.spec.log_extras:
             self.log("samples", float(len(x)), reduce_fx="sum")
             self.log("max_err", (out - y).abs().max(), reduce_fx="max")
+        if self.spec.metrics:
+            self.train_mae(out, y)
+            self.log("train_mae", self.train_mae, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = self._unpack(batch)
-        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
+        out = self(x)
+        self.log("val_loss", F.mse_loss(out, y), prog_bar=True)
+        if self.spec.metrics:
+            self.val_mae.update(out, y)
+            self.log("val_mae", self.val_mae)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = self._unpack(batch)
+        out = self(x)
+        self.log("test_loss", F.mse_loss(out, y))
+        if self.spec.metrics:
+            self.test_mae(out, y)
+            self.log("test_mae", self.test_mae)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x, _ = self._unpack(batch)
+        out = self(x)
+        return {"prediction": out, "argmax": out.argmax(-1)}
 
     def configure_optimizers(self) -> Any:
         s = self.spec
@@ -146,6 +170,7 @@ class RunSpec:
     data_parallel_size: int = 1
     checks: list[str] = field(default_factory=list)
     resume_from: str | None = None  # a checkpoint path, relative to the launch's output folder
+    reference: dict[str, Any] = field(default_factory=dict)  # RunSpec fields that differ for the reference
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,6 +187,24 @@ def make_dataset(run: RunSpec) -> RegressionData:
     return RegressionData(DataSpec(**run.data), model.in_dim, model.out_dim)
 
 
+def eval_loader(run: RunSpec, batch_size: int, seed: int) -> DataLoader:
+    spec = DataSpec(**{**run.data, "seed": seed, "num_samples": 32})
+    model = ModelSpec(**run.model)
+    return DataLoader(RegressionData(spec, model.in_dim, model.out_dim), batch_size=batch_size)
+
+
+def after_fit(trainer: L.Trainer, model: L.LightningModule, run: RunSpec, batch_size: int) -> dict[str, Any]:
+    """Test and predict after training when the run asks for it; what every rank got back."""
+    out: dict[str, Any] = {}
+    if "test" in run.checks:
+        out["test"] = trainer.test(model, eval_loader(run, batch_size, seed=3), verbose=False)
+    if "predict" in run.checks:
+        # the per-replica batch size on every strategy, so one device yields the same batches
+        predictions = trainer.predict(model, eval_loader(run, run.local_batch_size, seed=4))
+        out["predict"] = predictions
+    return out
+
+
 def trainer_defaults(run: RunSpec) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "max_steps": 6,
@@ -171,17 +214,36 @@ def trainer_defaults(run: RunSpec) -> dict[str, Any]:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
     }
+    if "validate" not in run.checks:
+        kwargs["limit_val_batches"] = 0
     kwargs.update(run.trainer)
     return kwargs
 
 
+def gradient_norm(trainer: L.Trainer) -> float:
+    """The whole model's gradient norm, on any strategy (the pipeline's must be reduced over its ranks)."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "gradient_norm"):
+        return float(strategy.gradient_norm())
+    grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads))
+
+
 class StepRecorder(L.Callback):
-    """Records, on this rank, what each training step logged and returned."""
+    """Records, on this rank, what each training step logged and returned, and each validation's metrics."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
+        self.validations: list[dict[str, float]] = []
+        self._grad_norm: float | None = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._grad_norm = gradient_norm(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.validations.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -192,29 +254,45 @@ class StepRecorder(L.Callback):
             "returned_loss": float(loss),
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+            "lrs": [group["lr"] for group in trainer.optimizers[0].param_groups],
+            "grad_norm": self._grad_norm,
         }
+        self._grad_norm = None
         if isinstance(batch, dict) and "index" in batch:
             record["indices"] = batch["index"].tolist()
         self.steps.append(record)
 
 
-def reference_run(
-    run: RunSpec, save_to: str | None = None, resume_from: str | None = None
-) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+@dataclass
+class Reference:
+    """What one-device training of a run produced."""
+
+    steps: list[dict[str, Any]]
+    params: dict[str, torch.Tensor]
+    validations: list[dict[str, float]]
+    extras: dict[str, Any]
+
+
+def reference_run(run: RunSpec, save_to: str | None = None, resume_from: str | None = None) -> Reference:
     """Train ``run`` on one process with ``strategy="auto"`` on the global batch.
 
     Lightning shuffles a distributed training set with ``DistributedSampler(shuffle=True, seed=0)``; the k-th
     global batch of the data-parallel replicas together is the k-th slice of that permutation, which is
     what this sampler gives one process with the global batch size.
     """
-    model = make_model(run)
-    data = make_dataset(run)
+    ref = RunSpec(**{**run.to_json(), **run.reference})
+    model = make_model(ref)
+    data = make_dataset(ref)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)
+    batch = ref.local_batch_size * ref.data_parallel_size
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
     recorder = StepRecorder()
-    kwargs = trainer_defaults(run)
+    kwargs = trainer_defaults(ref)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **kwargs)
-    trainer.fit(model, loader, ckpt_path=resume_from)
+    val = eval_loader(ref, batch, seed=2) if "validate" in ref.checks else None
+    trainer.fit(model, loader, val, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return recorder.steps, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    extras = after_fit(trainer, model, ref, batch)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items() if "mae" not in k}
+    return Reference(recorder.steps, params, recorder.validations, extras)

@@ -81,3 +81,24 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.norm().item()
     diff = (a - b).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+def assert_steps_match(
+    result: RunResult, reference: Any, *, tol: float, keys: tuple[str, ...] = ("train_loss",)
+) -> None:
+    """Every rank logged, at every step, the reference's values of ``keys`` (relative ``tol``)."""
+    for rank, rank_result in enumerate(result.ranks):
+        steps = rank_result["steps"]
+        assert [s["step"] for s in steps] == [s["step"] for s in reference.steps], f"rank {rank}"
+        for got, want in zip(steps, reference.steps, strict=True):
+            for key in keys:
+                g, w = got["callback_metrics"][key], want["callback_metrics"][key]
+                assert abs(g - w) <= tol * abs(w), f"rank {rank} step {want['step']} {key}: {g} vs {w}"
+
+
+def assert_params_match(result: RunResult, reference: Any, *, tol: float) -> float:
+    """Every final parameter agrees with the reference's (relative norm error ``tol``); returns the worst."""
+    assert set(result.params) == set(reference.params)
+    worst = max(relative_error(result.params[k], reference.params[k]) for k in reference.params)
+    assert worst <= tol, f"largest relative parameter error {worst:.2e}"
+    return worst

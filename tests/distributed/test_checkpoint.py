@@ -121,7 +121,8 @@ def test_consolidated_checkpoint_loads_on_one_device(results, tmp_path):
 
 def test_single_device_checkpoint_resumes_under_the_pipeline(results):
     _, res = results
-    ref_steps, ref_params = reference_run(run("single", epochs=2, model=SINGLE_MODEL))
+    ref = reference_run(run("single", epochs=2, model=SINGLE_MODEL))
+    ref_steps, ref_params = ref.steps, ref.params
     resumed = res["from_single_device"]
     for rank in range(4):
         assert losses(resumed, rank) == pytest.approx([s["callback_metrics"]["train_loss"] for s in ref_steps[3:]],

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import launch, relative_error
-from tests.models import RunSpec, reference_run
+from tests.distributed.harness import assert_params_match, assert_steps_match, launch, relative_error
+from tests.models import RunSpec, make_model, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -57,25 +57,17 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("run", [r for runs in RUNS.values() for r in runs], ids=lambda r: r.name)
 def test_matches_single_device(run, results):
-    ref_steps, ref_params = reference_run(run)
+    ref = reference_run(run)
     result = results[run.name]
-    assert len(ref_steps) == 6
-    for rank, rank_result in enumerate(result.ranks):
-        steps = rank_result["steps"]
-        assert [s["step"] for s in steps] == [s["step"] for s in ref_steps], f"rank {rank}"
-        for got, want in zip(steps, ref_steps, strict=True):
-            for key in ("train_loss", "samples", "max_err"):
-                g, w = got["callback_metrics"][key], want["callback_metrics"][key]
-                assert abs(g - w) <= TOL * abs(w), f"rank {rank} step {want['step']} {key}: {g} vs {w}"
+    assert len(ref.steps) == 6
+    assert_steps_match(result, ref, tol=TOL, keys=("train_loss", "samples", "max_err"))
+    for rank_result in result.ranks:
+        for got, want in zip(rank_result["steps"], ref.steps, strict=True):
             assert got["progress_bar"]["train_loss"] == pytest.approx(want["progress_bar"]["train_loss"], rel=TOL)
             assert got["returned_loss"] == pytest.approx(want["returned_loss"], rel=TOL)
     if run.name == "registered_defaults":
         assert sorted(r["holdings"]["pipeline_rank"] for r in result.ranks) == [0, 1, 2, 3]
-    assert set(result.params) == set(ref_params)
-    worst = max(relative_error(result.params[k], ref_params[k]) for k in ref_params)
-    assert worst <= TOL, f"largest relative parameter error {worst:.2e}"
+    assert_params_match(result, ref, tol=TOL)
     # the parameters actually moved, so agreeing is not trivial
-    from tests.models import make_model
-
     initial = make_model(run).state_dict()
-    assert min(relative_error(ref_params[k], initial[k]) for k in ref_params if k.endswith("weight")) > 1e-3
+    assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 1e-3

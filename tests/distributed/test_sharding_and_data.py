@@ -128,7 +128,8 @@ def test_meta_device_model_trains(results):
 def test_pipeline_ranks_share_a_batch_and_replicas_split_the_data(results):
     _, res = results
     ranks = res["full_m4"].ranks
-    ref_steps, _ = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    ref = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    ref_steps, _ = ref.steps, ref.params
     for step in range(3):
         by_replica = {}
         for r in ranks:
@@ -144,6 +145,7 @@ def test_logger_on_rank_zero_writes_the_last_stage_loss(results):
     # global rank 0 holds stage 0 and never computes a loss; its logger must still write the global-batch value
     assert res["full_m4"].ranks[0]["holdings"]["pipeline_rank"] == 0
     rows = list(csv.DictReader((workdir / "out" / "full_m4" / "logs" / "version_0" / "metrics.csv").open()))
-    ref_steps, _ = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    ref = reference_run(next(r for r in RUNS if r.name == "full_m4"))
+    ref_steps, _ = ref.steps, ref.params
     logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert logged == pytest.approx([s["callback_metrics"]["train_loss"] for s in ref_steps], rel=1e-5)

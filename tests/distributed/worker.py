@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.layers import RemoteLayer
-from tests.models import RunSpec, StepRecorder, make_dataset, make_model, trainer_defaults
+from tests.models import RunSpec, StepRecorder, after_fit, eval_loader, make_dataset, make_model, trainer_defaults
 
 
 class EventLog:
@@ -166,15 +166,27 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     else:
         model = make_model(run)
     loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
+    val = eval_loader(run, run.local_batch_size, seed=2) if "validate" in run.checks else None
     ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     if "save_at_end" in run.checks:
         trainer.save_checkpoint(out / "end.ckpt")
     rank = trainer.global_rank
-    result = {"steps": recorder.steps, "events": events.events, "holdings": probe.holdings}
+    extras = after_fit(trainer, model, run, run.local_batch_size)
+    if "predict" in extras:
+        torch.save(extras.pop("predict"), out / f"predictions_rank{rank}.pt")
+    result = {
+        "steps": recorder.steps,
+        "validations": recorder.validations,
+        "events": events.events,
+        "holdings": probe.holdings,
+        **extras,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     params = {}
     for name, param in model.named_parameters():
+        if "mae" in name:
+            continue
         full = param.full_tensor() if isinstance(param, DTensor) else param
         params[name] = full.detach().clone()
     names = {id(p): n for n, p in model.named_parameters()}

@@ -1,0 +1,151 @@
+"""Lightning features under the pipeline, each against the same module trained on one process.
+
+Clipping (by the whole model's norm, and by value), gradient accumulation, LR schedulers per step and per
+epoch with several parameter groups, validation (sanity check, mid-epoch `val_check_interval`, torchmetrics),
+test and predict, activation checkpointing, and bf16 precisions. All runs use (p, dp, v, m) = (2, 2, 2, 4)
+on 4 CPU processes unless a run says otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import assert_params_match, assert_steps_match, launch
+from tests.models import RunSpec, reference_run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+TOL = 1e-5
+LAYOUT = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
+
+
+def run(name: str, *, strategy=None, model=None, trainer=None, checks=(), **kwargs) -> RunSpec:
+    return RunSpec(
+        name=name,
+        strategy={**LAYOUT, **(strategy or {})},
+        model={"optimizer": "sgd", **(model or {})},
+        trainer=trainer or {},
+        local_batch_size=8,
+        data_parallel_size=2,
+        checks=list(checks),
+        **kwargs,
+    )
+
+
+RUNS = {
+    r.name: r
+    for r in [
+        run("clip_norm", trainer={"gradient_clip_val": 0.05}),
+        run("clip_value", trainer={"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}),
+        # two batches of 16 accumulated = one batch of 32 on one device
+        run(
+            "accumulate",
+            trainer={"accumulate_grad_batches": 2, "max_steps": 3},
+            reference={"local_batch_size": 16, "trainer": {"max_steps": 3}},
+        ),
+        run("groups_step_lr", model={"param_groups": 2, "scheduler": "step"}),
+        run(
+            "adamw_epoch_lr",
+            model={"optimizer": "adamw", "param_groups": 2, "scheduler": "epoch"},
+            trainer={"max_epochs": 2, "max_steps": -1},
+        ),
+        run(
+            "validation_and_metrics",
+            model={"metrics": True},
+            trainer={"max_epochs": 2, "max_steps": -1, "val_check_interval": 2, "num_sanity_val_steps": 2},
+            checks=("validate", "test", "predict"),
+        ),
+        run("recompute_all", strategy={"activation_checkpointing": True}),
+        run("bf16_mixed", trainer={"precision": "bf16-mixed"}),
+        run("bf16_true", trainer={"precision": "bf16-true"}),
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("features")
+    return workdir, launch(list(RUNS.values()), 4, workdir, timeout=840)
+
+
+@pytest.mark.parametrize(
+    "name", ["clip_norm", "clip_value", "groups_step_lr", "adamw_epoch_lr", "validation_and_metrics", "recompute_all"]
+)
+def test_training_matches_single_device(name, results):
+    _, res = results
+    ref = reference_run(RUNS[name])
+    assert_steps_match(res[name], ref, tol=TOL)
+    assert_params_match(res[name], ref, tol=TOL)
+    for rank_result in res[name].ranks:
+        for got, want in zip(rank_result["steps"], ref.steps, strict=True):
+            assert got["lrs"] == pytest.approx(want["lrs"], rel=1e-12)
+
+
+def test_clipping_uses_the_whole_models_norm(results):
+    _, res = results
+    ref = reference_run(RUNS["clip_norm"])
+    norms = [s["grad_norm"] for s in ref.steps]
+    assert min(norms) > 0.05  # clipping was active at every step, so a wrong norm would change the update
+    for rank_result in res["clip_norm"].ranks:
+        assert [s["grad_norm"] for s in rank_result["steps"]] == pytest.approx(norms, rel=TOL)
+
+
+def test_accumulation_equals_a_larger_batch(results):
+    _, res = results
+    ref = reference_run(RUNS["accumulate"])
+    assert len(ref.steps) == 3 and len(res["accumulate"].steps(0)) == 6  # 6 batches, 3 optimizer steps
+    assert res["accumulate"].ranks[0]["holdings"]["counters"]["global_step"] == 3
+    assert_params_match(res["accumulate"], ref, tol=TOL)
+
+
+def test_validation_metrics_match_and_run_mid_epoch(results):
+    _, res = results
+    ref = reference_run(RUNS["validation_and_metrics"])
+    # 4 steps per epoch, `val_check_interval=2`: two validations per epoch
+    assert len(ref.validations) == 4
+    for rank_result in res["validation_and_metrics"].ranks:
+        assert len(rank_result["validations"]) == 4
+        for got, want in zip(rank_result["validations"], ref.validations, strict=True):
+            assert got.keys() == want.keys() == {"val_loss", "val_mae"}
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=TOL), key
+        for got, want in zip(rank_result["steps"], ref.steps, strict=True):
+            for key in ("train_mae_step", "train_mae_epoch"):
+                if key in want["callback_metrics"]:
+                    assert got["callback_metrics"][key] == pytest.approx(want["callback_metrics"][key], rel=TOL)
+
+
+def test_test_step_metrics_match(results):
+    _, res = results
+    ref = reference_run(RUNS["validation_and_metrics"])
+    (want,) = ref.extras["test"]
+    for rank_result in res["validation_and_metrics"].ranks:
+        (got,) = rank_result["test"]
+        assert got.keys() == want.keys() == {"test_loss", "test_mae"}
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=TOL)
+
+
+def test_predict_returns_the_dataset_in_order_on_rank_zero(results):
+    workdir, _ = results
+    ref = reference_run(RUNS["validation_and_metrics"]).extras["predict"]
+    got = torch.load(workdir / "out" / "validation_and_metrics" / "predictions_rank0.pt")
+    assert len(got) == len(ref)  # batches of the same size as on one device
+    for g, w in zip(got, ref, strict=True):
+        assert g.keys() == w.keys()
+        torch.testing.assert_close(g["prediction"], w["prediction"], rtol=TOL, atol=1e-6)
+        assert torch.equal(g["argmax"], w["argmax"])
+
+
+@pytest.mark.parametrize("name", ["bf16_mixed", "bf16_true"])
+def test_bf16_precisions_match_single_device_within_bf16_tolerance(name, results):
+    _, res = results
+    ref = reference_run(RUNS[name])
+    assert_steps_match(res[name], ref, tol=2e-2)
+    fp32 = reference_run(RunSpec(**{**RUNS[name].to_json(), "trainer": {}}))
+    # and the bf16 runs are really bf16: their losses differ from fp32 training
+    assert any(
+        s["callback_metrics"]["train_loss"] != f["callback_metrics"]["train_loss"]
+        for s, f in zip(ref.steps, fp32.steps, strict=True)
+    )
