@@ -136,6 +136,21 @@ class GPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SortDigitsData(L.LightningDataModule):
+    """The sorting task as a DataModule, for ``LightningCLI`` (see ``examples/cli.py``)."""
+
+    def __init__(self, batch_size: int = 32, train_samples: int = 8192, val_samples: int = 512) -> None:
+        super().__init__()
+        self.batch_size, self.train_samples, self.val_samples = batch_size, train_samples, val_samples
+
+    def train_dataloader(self) -> DataLoader:
+        data = SortDigits(self.train_samples, seed=0)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(SortDigits(self.val_samples, seed=1), batch_size=self.batch_size, drop_last=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=4)
@@ -172,10 +187,8 @@ def main() -> None:
         log_every_n_steps=10,
         default_root_dir=args.root,
     )
-    train = DataLoader(SortDigits(8192, seed=0), batch_size=args.batch_size, shuffle=True, drop_last=True)
-    val = DataLoader(SortDigits(512, seed=1), batch_size=args.batch_size, drop_last=True)
     model = GPT(layers=args.layers, dim=args.dim)
-    trainer.fit(model, train, val)
+    trainer.fit(model, datamodule=SortDigitsData(batch_size=args.batch_size))
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
         print(f"final metrics: {metrics}")

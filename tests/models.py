@@ -7,13 +7,24 @@ identical weights and see identical samples.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics.regression import MeanAbsoluteError
 
@@ -187,6 +198,70 @@ def make_dataset(run: RunSpec) -> RegressionData:
     return RegressionData(DataSpec(**run.data), model.in_dim, model.out_dim)
 
 
+class FailCheckpointWrite(L.Callback):
+    """Makes global rank 1 fail while writing the step-2 checkpoint (a full disk, say)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+
+            def broken_write(*args: Any, **kwargs: Any) -> Any:
+                raise OSError("injected failure: disk full while writing the checkpoint")
+
+            FileSystemWriter.write_data = broken_write  # type: ignore[method-assign]
+
+
+class IndexedPredictionWriter(BasePredictionWriter):
+    """Writes each batch's predictions with the dataset indices Lightning recorded for them."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(write_interval="batch")
+        self.folder = folder
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save((batch_indices, prediction), self.folder / f"rank{trainer.global_rank}_batch{batch_idx}.pt")
+
+
+class SyncedLogs(L.Callback):
+    """Logs with ``sync_dist=True`` from epoch hooks, on every rank, as user code may do anywhere."""
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("ranks_reporting", 1.0, sync_dist=True, reduce_fx="sum")
+        pl_module.log("epoch_lr", trainer.optimizers[0].param_groups[0]["lr"], sync_dist=True)
+
+
+def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str, Any]]:
+    """The callbacks (and Trainer arguments) a run's ``checks`` ask for; shared by the pipeline and reference."""
+    callbacks: list[L.Callback] = []
+    kwargs: dict[str, Any] = {}
+    checks = set(run.checks)
+    if "fail_save_at_step_2" in checks:
+        callbacks.append(FailCheckpointWrite())
+    if "last_checkpoint_every_step" in checks:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=0, save_last=True))
+    if "early_stopping" in checks:
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02))
+    if "top_k" in checks:
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "topk", monitor="val_loss", save_top_k=2, filename="{epoch}-{val_loss:.5f}")
+        )
+    if "lr_monitor" in checks:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if "csv_logger" in checks or "lr_monitor" in checks:
+        kwargs["logger"] = CSVLogger(out, name="logs", version=0)
+    if "prediction_writer" in checks:
+        callbacks.append(IndexedPredictionWriter(out / "written"))
+    if "synced_logs" in checks:
+        callbacks.append(SyncedLogs())
+    if "swa" in checks:
+        callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2))
+    if "progress_bar" in checks:
+        kwargs["enable_progress_bar"] = True
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        kwargs["enable_checkpointing"] = True
+    return callbacks, kwargs
+
+
 def eval_loader(run: RunSpec, batch_size: int, seed: int) -> DataLoader:
     spec = DataSpec(**{**run.data, "seed": seed, "num_samples": 32})
     model = ModelSpec(**run.model)
@@ -273,7 +348,9 @@ class Reference:
     extras: dict[str, Any]
 
 
-def reference_run(run: RunSpec, save_to: str | None = None, resume_from: str | None = None) -> Reference:
+def reference_run(
+    run: RunSpec, save_to: str | None = None, resume_from: str | None = None, out: Path | None = None
+) -> Reference:
     """Train ``run`` on one process with ``strategy="auto"`` on the global batch.
 
     Lightning shuffles a distributed training set with ``DistributedSampler(shuffle=True, seed=0)``; the k-th
@@ -287,12 +364,24 @@ def reference_run(run: RunSpec, save_to: str | None = None, resume_from: str | N
     batch = ref.local_batch_size * ref.data_parallel_size
     loader = DataLoader(data, batch_size=batch, sampler=sampler)
     recorder = StepRecorder()
-    kwargs = trainer_defaults(ref)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **kwargs)
+    out = out or Path(tempfile.mkdtemp(prefix="reference-"))
+    callbacks, extra_kwargs = make_callbacks(ref, out)
+    kwargs = {**trainer_defaults(ref), **extra_kwargs}
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder, *callbacks], **kwargs)
     val = eval_loader(ref, batch, seed=2) if "validate" in ref.checks else None
-    trainer.fit(model, loader, val, ckpt_path=resume_from)
+    fit(trainer, model, loader, val, ref, resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     extras = after_fit(trainer, model, ref, batch)
+    extras["counters"] = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
+    extras["out"] = out
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if "mae" not in k}
     return Reference(recorder.steps, params, recorder.validations, extras)
+
+
+def fit(trainer: L.Trainer, model: L.LightningModule, loader: Any, val: Any, run: RunSpec, ckpt: str | None) -> None:
+    """``trainer.fit``, and with the ``fit_twice`` check a second ``fit`` for one more epoch on the same Trainer."""
+    trainer.fit(model, loader, val, ckpt_path=ckpt)
+    if "fit_twice" in run.checks:
+        trainer.fit_loop.max_epochs += 1
+        trainer.fit(model, loader, val)

@@ -20,9 +20,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -30,7 +27,17 @@ from torch.utils.data import DataLoader
 import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.layers import RemoteLayer
-from tests.models import RunSpec, StepRecorder, after_fit, eval_loader, make_dataset, make_model, trainer_defaults
+from tests.models import (
+    RunSpec,
+    StepRecorder,
+    after_fit,
+    eval_loader,
+    fit,
+    make_callbacks,
+    make_dataset,
+    make_model,
+    trainer_defaults,
+)
 
 
 class EventLog:
@@ -131,34 +138,15 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-class FailCheckpointWrite(L.Callback):
-    """Makes the data-parallel rank 1 of every pipeline fail while writing the step-2 checkpoint."""
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2 and trainer.global_rank == 1:
-
-            def broken_write(*args: Any, **kwargs: Any) -> Any:
-                raise OSError("injected failure: disk full while writing the checkpoint")
-
-            FileSystemWriter.write_data = broken_write  # type: ignore[method-assign]
-
-
 def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     out.mkdir(parents=True, exist_ok=True)
     events.events.clear()
     recorder, probe = StepRecorder(), Probe(events)
-    callbacks: list[L.Callback] = [recorder, probe]
-    if "fail_save_at_step_2" in run.checks:
-        callbacks.append(FailCheckpointWrite())
-    if "last_checkpoint_every_step" in run.checks:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=0, save_last=True))
+    extra_callbacks, extra_kwargs = make_callbacks(run, out)
+    callbacks: list[L.Callback] = [recorder, probe, *extra_callbacks]
     # {"name": "bfpp"} selects the registered strategy name with its defaults, as `Trainer(strategy="bfpp")`
     strategy: Any = "bfpp" if run.strategy.get("name") == "bfpp" else BFPPStrategy(**run.strategy)
-    kwargs = trainer_defaults(run)
-    if "csv_logger" in run.checks:
-        kwargs["logger"] = CSVLogger(out, name="logs", version=0)
-    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        kwargs["enable_checkpointing"] = True
+    kwargs = {**trainer_defaults(run), **extra_kwargs}
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks, **kwargs)
     if "empty_init" in run.checks:
         with trainer.init_module(empty_init=True):
@@ -168,7 +156,7 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
     val = eval_loader(run, run.local_batch_size, seed=2) if "validate" in run.checks else None
     ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
-    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
+    fit(trainer, model, loader, val, run, ckpt_path)
     if "save_at_end" in run.checks:
         trainer.save_checkpoint(out / "end.ckpt")
     rank = trainer.global_rank
