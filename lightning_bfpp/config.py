@@ -18,7 +18,8 @@ ScheduleName = Literal["breadth_first"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard"]
 PartitionSpec = Literal["parameters", "uniform"] | Sequence[int]
 
-SCHEDULES: tuple[str, ...] = ("breadth_first",)
+SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b")
+NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
 PARTITIONS: tuple[str, ...] = ("parameters", "uniform")
 
@@ -48,6 +49,7 @@ class Layout:
     stages_per_rank: int
     num_microbatches: int
     stage_layer_counts: tuple[int, ...]
+    microbatch_group_size: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -71,6 +73,7 @@ class PipelineConfig:
     sharding: str = "full_shard"
     data_parallel_size: int | Auto = "auto"
     partition: PartitionSpec = "parameters"
+    microbatch_group_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
@@ -80,6 +83,18 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"BFPPStrategy: unknown `schedule={self.schedule!r}`; choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.microbatch_group_size is not None:
+            _check_size("microbatch_group_size", self.microbatch_group_size, allow_auto=False)
+            if self.schedule != "depth_first":
+                raise ValueError(
+                    "BFPPStrategy: `microbatch_group_size` sets the group size of schedule='depth_first'"
+                    f" (Megatron's interleaved order); it has no meaning for schedule={self.schedule!r}."
+                )
+        if self.schedule in NON_LOOPED and self.stages_per_rank not in ("auto", 1):
+            raise ValueError(
+                f"BFPPStrategy: schedule={self.schedule!r} is a non-looped schedule and needs stages_per_rank=1"
+                f" (got {self.stages_per_rank}); for several stages per rank use 'breadth_first' or 'depth_first'."
             )
         if self.sharding not in SHARDINGS:
             raise ValueError(
@@ -148,7 +163,7 @@ class PipelineConfig:
         if isinstance(self.partition, tuple):
             v = len(self.partition) // p
         elif self.stages_per_rank == "auto":
-            v = 2 if num_layers >= 2 * p else 1
+            v = 2 if num_layers >= 2 * p and self.schedule not in NON_LOOPED else 1
         else:
             v = self.stages_per_rank
         num_stages = p * v
@@ -169,11 +184,23 @@ class PipelineConfig:
             counts = uniform_counts(num_layers, num_stages)
         else:
             counts = balance_by_weight(layer_weights, num_stages)
+        if self.schedule in NON_LOOPED and v != 1:
+            raise ValueError(
+                f"BFPPStrategy: schedule={self.schedule!r} needs one stage per rank, but `partition` gives {v}."
+            )
         m = p if self.num_microbatches == "auto" else self.num_microbatches
-        return Layout(
+        layout = Layout(
             pipeline_parallel_size=p,
             data_parallel_size=mesh.data_parallel_size,
             stages_per_rank=v,
             num_microbatches=m,
             stage_layer_counts=counts,
+            microbatch_group_size=self.microbatch_group_size,
         )
+        from lightning_bfpp.schedule import generate
+
+        try:  # the schedule's own constraints (e.g. depth_first's group size), checked before any process waits
+            generate(self.schedule, p, v, m, self.microbatch_group_size)
+        except ValueError as error:
+            raise ValueError(f"BFPPStrategy: {error}") from None
+        return layout

@@ -26,7 +26,7 @@ from lightning_bfpp._compat import tree_flatten
 from lightning_bfpp.microbatch import batch_signature, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
-from lightning_bfpp.schedule import Schedule, forward_only, generate, lower, validate
+from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
 from lightning_bfpp.user_step import LogRecorder, capture_model_input, model_returns, step_loss
 
@@ -69,6 +69,7 @@ class Pipeline:
         schedule: str,
         sharding: str,
         num_microbatches: int,
+        microbatch_group_size: int | None = None,
     ) -> None:
         self.module = module
         self.plan = stage_plan
@@ -78,6 +79,7 @@ class Pipeline:
         self.schedule_name = schedule
         self.sharding = sharding
         self.num_microbatches = num_microbatches
+        self.microbatch_group_size = microbatch_group_size
         self.pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
         self.local_stages = stage_plan.stages_of(self.pipeline_rank)
         self.holds_first_stage = 0 in self.local_stages
@@ -92,8 +94,15 @@ class Pipeline:
 
     def compute_schedule(self, train: bool, num_microbatches: int) -> Schedule:
         p, v = self.plan.pipeline_parallel_size, self.plan.stages_per_rank
-        if train:
-            compute = generate(self.schedule_name, p, v, num_microbatches)
+        if train and num_microbatches == self.num_microbatches:
+            compute = generate(self.schedule_name, p, v, num_microbatches, self.microbatch_group_size)
+        elif train:
+            # a smaller batch split into fewer micro-batches: keep the schedule if it allows that count, else
+            # run this batch breadth-first (the order changes nothing in the result, only the timing)
+            try:
+                compute = generate(self.schedule_name, p, v, num_microbatches)
+            except ValueError:
+                compute = breadth_first(p, v, num_microbatches)
         else:
             compute = forward_only(p, v, num_microbatches)
         validate(compute, p, v, num_microbatches, backward=train)

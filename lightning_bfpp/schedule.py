@@ -93,22 +93,113 @@ def breadth_first(pipeline_parallel_size: int, stages_per_rank: int, num_microba
     return schedule
 
 
+def gpipe(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward, one stage per rank.
+
+    On a looped placement this order is breadth-first, so ``gpipe`` is kept to its own, non-looped case.
+    """
+    _require_one_stage("gpipe", stages_per_rank)
+    return breadth_first(pipeline_parallel_size, 1, num_microbatches)
+
+
+def one_f_one_b(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush, DAPPLE): ``p − r − 1`` warm-up forwards, then alternate one forward and one backward.
+
+    Same bubble as GPipe, but a rank holds at most ``p − r`` micro-batches' activations instead of ``m``.
+    """
+    _require_one_stage("1f1b", stages_per_rank)
+    return _interleaved(pipeline_parallel_size, 1, num_microbatches, group_size=num_microbatches, one_chunk=True)
+
+
+def depth_first(
+    pipeline_parallel_size: int,
+    stages_per_rank: int,
+    num_microbatches: int,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """Interleaved 1F1B in Megatron-LM's order (its "virtual pipeline"), the paper's depth-first baseline.
+
+    Micro-batches go in groups of ``N = microbatch_group_size`` (Megatron's
+    ``microbatch_group_size_per_vp_stage``): a rank runs a group through one local stage, then the same group
+    through its next local stage, and so on; after ``2(p − r − 1) + (v − 1)·N`` warm-up forwards it alternates
+    one forward and one backward. ``N = p`` (the default) is depth-first; larger ``N`` holds more
+    micro-batches per stage visit, and ``N = m`` visits each stage once per direction during warm-up and
+    cool-down, as breadth-first does (Llama 3 tunes ``N`` between the two). Requires ``p ≤ N ≤ m``.
+    """
+    p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    n = p if microbatch_group_size is None else microbatch_group_size
+    if m < p:
+        raise ValueError(
+            f"depth_first needs num_microbatches ≥ pipeline_parallel_size ({m} < {p}); raise num_microbatches"
+            " or use schedule='breadth_first'."
+        )
+    if not p <= n <= m:
+        raise ValueError(
+            f"microbatch_group_size must lie in [pipeline_parallel_size, num_microbatches] = [{p}, {m}], got {n}."
+        )
+    if m % n and m % n < p:
+        raise ValueError(
+            f"microbatch_group_size={n} leaves a last group of {m % n} micro-batches, fewer than"
+            f" pipeline_parallel_size={p}, which stalls the pipeline; choose a group size that divides"
+            f" num_microbatches={m} or leaves at least {p}."
+        )
+    return _interleaved(p, v, m, group_size=n)
+
+
+def _interleaved(p: int, v: int, m: int, *, group_size: int, one_chunk: bool = False) -> Schedule:
+    schedule: Schedule = {}
+    for rank in range(p):
+        stages = rank_stages(rank, p, v)
+        groups = [range(start, min(start + group_size, m)) for start in range(0, m, group_size)]
+        forwards = [Action(stages[k], F, mb) for g in groups for k in range(v) for mb in g]
+        backwards = [Action(stages[k], B, mb) for g in groups for k in reversed(range(v)) for mb in g]
+        # Megatron's warm-up counts: non-interleaved 1F1B, and interleaved with groups of N
+        warmup = min(m, p - rank - 1) if one_chunk else min(v * m, 2 * (p - rank - 1) + (v - 1) * group_size)
+        actions = forwards[:warmup]
+        for i in range(v * m - warmup):
+            actions += [forwards[warmup + i], backwards[i]]
+        actions += backwards[v * m - warmup :]
+        schedule[rank] = actions
+    return schedule
+
+
+def _require_one_stage(name: str, stages_per_rank: int) -> None:
+    if stages_per_rank != 1:
+        raise ValueError(
+            f"schedule={name!r} is a non-looped schedule: it needs stages_per_rank=1 (got {stages_per_rank});"
+            " for several stages per rank use 'breadth_first' or 'depth_first'."
+        )
+
+
 def forward_only(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
     """Breadth-first forwards without backward: the evaluation schedule (validation, test, predict)."""
     p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
     return {r: [Action(s, F, mb) for s in rank_stages(r, p, v) for mb in range(m)] for r in range(p)}
 
 
-SCHEDULE_GENERATORS = {"breadth_first": breadth_first}
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
+LOOPED_SCHEDULES = ("breadth_first", "depth_first")
 
 
-def generate(name: str, pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
-    """The compute-only training schedule called ``name``."""
-    try:
-        generator = SCHEDULE_GENERATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_GENERATORS)}") from None
-    return generator(pipeline_parallel_size, stages_per_rank, num_microbatches)
+def generate(
+    name: str,
+    pipeline_parallel_size: int,
+    stages_per_rank: int,
+    num_microbatches: int,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """The compute-only training schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    if microbatch_group_size is not None and name != "depth_first":
+        raise ValueError(f"microbatch_group_size applies to schedule='depth_first', not {name!r}")
+    if name == "breadth_first":
+        return breadth_first(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    if name == "depth_first":
+        return depth_first(pipeline_parallel_size, stages_per_rank, num_microbatches, microbatch_group_size)
+    if name == "gpipe":
+        return gpipe(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    if name == "1f1b":
+        return one_f_one_b(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
 def _check_sizes(p: int, v: int, m: int) -> tuple[int, int, int]:
@@ -172,6 +263,14 @@ def validate(
                         f"stage {s} runs {Action(s, kind, mb)} {count} times, expected once\n"
                         + format_schedule(schedule)
                     )
+    last_forwards = [
+        a.microbatch for acts in schedule.values() for a in acts if a.stage == num_stages - 1 and a.kind is F
+    ]
+    if last_forwards != sorted(last_forwards):
+        raise ScheduleError(
+            f"the last stage must run its forwards in micro-batch order (torch's runtime keeps losses by arrival),"
+            f" got {last_forwards}\n" + format_schedule(schedule)
+        )
     _check_executable(schedule, num_stages)
 
 

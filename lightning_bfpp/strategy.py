@@ -70,7 +70,11 @@ class BFPPStrategy(ModelParallelStrategy):
         stages_per_rank: stages each pipeline rank holds (``v``); stage ``s`` lives on rank ``s mod p``.
             ``"auto"``: 2 if the model has at least ``2p`` layers, else 1.
         num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
-        schedule: ``"breadth_first"``: all micro-batches through one local stage before the next.
+        schedule: ``"breadth_first"`` (all micro-batches through one local stage before the next; the
+            default), ``"depth_first"`` (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage
+            per rank).
+        microbatch_group_size: for ``"depth_first"``, micro-batches per stage visit, from ``p``
+            (depth-first, the default) to ``m`` (Megatron's breadth-first end of the same order).
         sharding: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (replicated,
             gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage.
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
@@ -89,10 +93,11 @@ class BFPPStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int | Auto = "auto",
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
-        schedule: Literal["breadth_first"] = "breadth_first",
+        schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b"] = "breadth_first",
         sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec = "parameters",
+        microbatch_group_size: int | None = None,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -106,6 +111,7 @@ class BFPPStrategy(ModelParallelStrategy):
             sharding=sharding,
             data_parallel_size=data_parallel_size,
             partition=partition,
+            microbatch_group_size=microbatch_group_size,
         )
         self._recompute = recompute_policy(activation_checkpointing)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
@@ -239,6 +245,7 @@ class BFPPStrategy(ModelParallelStrategy):
             schedule=self.config.schedule,
             sharding=self.config.sharding,
             num_microbatches=layout.num_microbatches,
+            microbatch_group_size=layout.microbatch_group_size,
         )
 
     # -- training ----------------------------------------------------------------------------------

@@ -19,15 +19,28 @@ LAYOUTS = {2: [(2, 1, 2, 4)], 4: [(2, 2, 2, 4), (4, 1, 2, 8)]}
 TOL = 1e-5
 
 
-def make_run(p: int, dp: int, v: int, m: int, sharding: str, optimizer: str = "sgd") -> RunSpec:
+def make_run(
+    p: int,
+    dp: int,
+    v: int,
+    m: int,
+    sharding: str,
+    optimizer: str = "sgd",
+    schedule: str = "breadth_first",
+    group: int | None = None,
+) -> RunSpec:
+    name = f"p{p}_dp{dp}_v{v}_m{m}_{sharding}_{optimizer}"
+    if schedule != "breadth_first":
+        name = f"{schedule}{'' if group is None else f'_n{group}'}_{name}"
     return RunSpec(
-        name=f"p{p}_dp{dp}_v{v}_m{m}_{sharding}_{optimizer}",
+        name=name,
         strategy={
             "pipeline_parallel_size": p,
             "stages_per_rank": v,
             "num_microbatches": m,
-            "schedule": "breadth_first",
+            "schedule": schedule,
             "sharding": sharding,
+            **({} if group is None else {"microbatch_group_size": group}),
         },
         # dict batches on one layout so both batch structures go through the pipeline
         data={"batch_format": "dict" if (p, dp) == (2, 2) else "tuple"},
@@ -41,6 +54,15 @@ def make_run(p: int, dp: int, v: int, m: int, sharding: str, optimizer: str = "s
 RUNS = {world: [make_run(*layout, s) for layout in layouts for s in SHARDINGS] for world, layouts in LAYOUTS.items()}
 # AdamW keeps per-parameter state, which must be sharded along with the parameters
 RUNS[4].append(make_run(2, 2, 2, 4, "full_shard", optimizer="adamw"))
+# every schedule of the family goes through the same runtime and must give the same result
+RUNS[4] += [
+    make_run(2, 2, 2, 4, "full_shard", schedule="depth_first"),
+    make_run(4, 1, 2, 8, "shard_grad_op", schedule="depth_first"),
+    make_run(2, 2, 2, 4, "full_shard", schedule="depth_first", group=4),
+    make_run(4, 1, 1, 8, "full_shard", schedule="1f1b"),
+    make_run(2, 2, 1, 4, "no_shard", schedule="gpipe"),
+]
+RUNS[2] += [make_run(2, 1, 3, 8, "full_shard", schedule="depth_first", group=4)]
 # `Trainer(devices=4, strategy="bfpp")` with every default: p=4, dp=1, v=2 (10 layers), m=p=4
 RUNS[4].append(
     RunSpec(name="registered_defaults", strategy={"name": "bfpp"}, model={"optimizer": "sgd"}, local_batch_size=8)

@@ -16,10 +16,14 @@ from lightning_bfpp.schedule import (
     add_sharding_actions,
     breadth_first,
     count,
+    depth_first,
     format_schedule,
     forward_only,
+    generate,
+    gpipe,
     lower,
     max_resident_stages,
+    one_f_one_b,
     parse_schedule,
     validate,
 )
@@ -156,3 +160,90 @@ def test_lowering_is_consistent_for_any_sizes(pvm, sharding):
 def test_lowering_rejects_non_compute_input():
     with pytest.raises(ValueError, match="compute"):
         add_sharding_actions([Action(0, Kind.UNSHARD)], "full_shard", 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the schedule family
+
+
+def test_depth_first_golden_matches_megatrons_order():
+    # Megatron's docstring, PP=2, VP=2, N=2, M=4: "rank 0 | 0 1 0 1 2 3 2 3" (forward micro-batch ids)
+    schedule = depth_first(2, 2, 4)
+    assert [a.microbatch for a in schedule[0] if a.kind is F] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert strings(schedule[0]) == [
+        "0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1",
+        "2F2", "0B0", "2F3", "0B1", "2B2", "2B3", "0B2", "0B3",
+    ]  # fmt: skip
+
+
+def test_one_f_one_b_golden():
+    schedule = one_f_one_b(4, 1, 4)
+    assert strings(schedule[1]) == ["1F0", "1F1", "1F2", "1B0", "1F3", "1B1", "1B2", "1B3"]
+    assert strings(schedule[3]) == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3"]
+
+
+def test_gpipe_is_breadth_first_without_loops():
+    assert gpipe(3, 1, 4) == breadth_first(3, 1, 4)
+    with pytest.raises(ValueError, match="non-looped"):
+        gpipe(2, 2, 4)
+    with pytest.raises(ValueError, match="non-looped"):
+        one_f_one_b(2, 2, 4)
+
+
+def test_group_size_moves_depth_first_towards_breadth_first():
+    p, v, m = 2, 3, 8
+    visits = {n: len(_visit_list(depth_first(p, v, m, n)[0])) for n in (2, 4, 8)}
+    assert visits[2] > visits[4] > visits[8]
+    # at N = m every stage's forwards run as one visit, as in breadth-first
+    forwards = [a for a in depth_first(p, v, m, m)[0] if a.kind is F]
+    assert [a for a in breadth_first(p, v, m)[0] if a.kind is F] == forwards
+
+
+def test_group_size_errors():
+    with pytest.raises(ValueError, match=r"must lie in \[pipeline_parallel_size, num_microbatches\]"):
+        depth_first(4, 2, 8, 2)
+    with pytest.raises(ValueError, match="last group of 2"):
+        depth_first(4, 2, 10, 8)
+    with pytest.raises(ValueError, match="needs num_microbatches ≥ pipeline_parallel_size"):
+        depth_first(4, 2, 3)
+    with pytest.raises(ValueError, match="applies to schedule='depth_first'"):
+        generate("breadth_first", 2, 2, 4, microbatch_group_size=2)
+
+
+def _visit_list(actions):
+    return [a.stage for i, a in enumerate(actions) if i == 0 or actions[i - 1].stage != a.stage]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 12), st.data())
+def test_every_schedule_is_valid_for_any_sizes(p, v, m, data):
+    from lightning_bfpp import _compat
+    from lightning_bfpp.runtime import to_torch_action
+
+    names = ["breadth_first"] + (["gpipe", "1f1b"] if v == 1 else [])
+    candidates = [(name, None) for name in names]
+    if m >= p:
+        n = data.draw(st.integers(p, m))
+        if not (m % n and m % n < p):
+            candidates.append(("depth_first", n))
+    for name, n in candidates:
+        schedule = generate(name, p, v, m, n)
+        validate(schedule, p, v, m)
+        for sharding in ("full_shard", "shard_grad_op"):
+            lowered = lower(schedule, sharding, m)
+            for actions in lowered.values():
+                assert count(actions, REDUCE_GRAD) == v
+                assert count(actions, UNSHARD) == count(actions, RESHARD)
+        # torch can place the sends and receives of every schedule we generate
+        torch_plan = {r: [to_torch_action(a) for a in acts] for r, acts in lower(schedule, "full_shard", m).items()}
+        _compat.add_send_recv(torch_plan, stage_to_rank=lambda s, p=p: s % p, num_stages=p * v)
+
+
+def test_depth_first_gathers_more_than_breadth_first_under_full_shard():
+    p, v, m = 4, 2, 16
+    gathers = {
+        name: count(lower(generate(name, p, v, m), "full_shard", m)[0], UNSHARD)
+        for name in ("breadth_first", "depth_first")
+    }
+    assert gathers["breadth_first"] == 2 * v - 1
+    assert gathers["depth_first"] >= 4 * gathers["breadth_first"]  # about 2m/N per stage
