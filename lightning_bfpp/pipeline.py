@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.trace import StepTracer
 from lightning_bfpp.user_step import LogRecorder, capture_model_input, model_returns, step_loss
 
 _MAX_CACHED_SCHEDULES = 8
@@ -145,6 +147,7 @@ class Pipeline:
         *,
         train: bool,
         loss_scale: float = 1.0,
+        tracer: StepTracer | None = None,
     ) -> StepResult:
         """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch."""
         step = getattr(self.module, step_name)
@@ -164,8 +167,10 @@ class Pipeline:
             result.outputs = [None] * num_microbatches
         self._active = _ActiveStep(step, step_name, microbatches, step_args, train, loss_scale, result)
         self._schedule_in_use = schedule
+        targets = [torch.tensor(i) for i in range(num_microbatches)]
         try:
-            schedule.run(arg_mbs, kwarg_mbs, [torch.tensor(i) for i in range(num_microbatches)])
+            with tracer.recording(schedule) if tracer is not None else nullcontext():
+                schedule.run(arg_mbs, kwarg_mbs, targets)
         finally:
             self._active = None
         return result

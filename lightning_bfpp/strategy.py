@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_bfpp import _compat, clipping
 from lightning_bfpp import checkpoint as checkpoint_io
+from lightning_bfpp import trace as trace_io
 from lightning_bfpp._compat import lightning_call
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.layers import (
@@ -54,6 +55,7 @@ from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+from lightning_bfpp.trace import StepTracer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,6 +84,9 @@ class BFPPStrategy(ModelParallelStrategy):
             the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
         activation_checkpointing: recompute layers' activations in backward instead of storing them:
             ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
+        trace: a folder to write timelines of the first ``trace_steps`` training steps to: per step a Chrome
+            trace (open it in Perfetto), a PNG with one row per rank, and a per-rank summary (busy, bubble,
+            communication). Off (``None``) by default, and then nothing is recorded.
         process_group_backend: as for other Lightning strategies (default: gloo on CPU, nccl on CUDA).
         timeout: process-group timeout.
     """
@@ -99,6 +104,8 @@ class BFPPStrategy(ModelParallelStrategy):
         partition: PartitionSpec = "parameters",
         microbatch_group_size: int | None = None,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
+        trace: str | Path | None = None,
+        trace_steps: int = 4,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -114,6 +121,13 @@ class BFPPStrategy(ModelParallelStrategy):
             microbatch_group_size=microbatch_group_size,
         )
         self._recompute = recompute_policy(activation_checkpointing)
+        if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:
+            raise ValueError(f"BFPPStrategy: `trace_steps` must be a positive int, got {trace_steps!r}.")
+        self.trace_dir = Path(trace) if trace is not None else None
+        self.trace_steps = trace_steps
+        self._tracer: StepTracer | None = None
+        self._traced_steps = 0
+        self._pending_trace: tuple[int, float] | None = None
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.mesh_shape: MeshShape | None = None
         self.layout: Layout | None = None
@@ -190,6 +204,10 @@ class BFPPStrategy(ModelParallelStrategy):
         plugin.clip_grad_by_norm = partial(self._clip_grad_by_norm, plugin)  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.trace_dir is not None:
+                self._tracer = StepTracer(self.global_rank, self.root_device)
+                for optimizer in self.optimizers:
+                    optimizer.register_step_post_hook(self._trace_optimizer_step)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -264,14 +282,62 @@ class BFPPStrategy(ModelParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             self._zero_grad(trainer, batch_idx)
+        tracer = self._start_trace()
         with self.precision_plugin.train_step_context():
             m = self.pipeline._microbatches_for(batch)
             result = self.pipeline.run(
-                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / (m * accumulate)
+                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / (m * accumulate), tracer=tracer
             )
+        sync_start = tracer.now() if tracer is not None else 0.0
         lightning_call._call_callback_hooks(trainer, "on_after_backward")
         lightning_call._call_lightning_module_hook(trainer, "on_after_backward")
-        return self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
+        loss = self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
+        if tracer is not None:
+            # sharing the logged values waits for the pipeline's slowest rank: part of the drain
+            end = tracer.now()
+            tracer.add("step_sync", sync_start, end)
+            self._pending_trace = (trainer.global_step, end)
+        return loss
+
+    # -- tracing -----------------------------------------------------------------------------------
+
+    def _start_trace(self) -> StepTracer | None:
+        if self._tracer is None:
+            return None
+        self._flush_trace()
+        if self._traced_steps >= self.trace_steps:
+            return None
+        self._tracer.start_step()
+        return self._tracer
+
+    def _trace_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._tracer is not None and self._pending_trace is not None:
+            _, pipeline_end = self._pending_trace
+            self._tracer.add("optimizer", pipeline_end, self._tracer.now())
+
+    def _flush_trace(self) -> None:
+        """Gather the last traced step's spans on global rank 0 and write them (a collective)."""
+        if self._tracer is None or self._pending_trace is None:
+            return
+        step, _ = self._pending_trace
+        self._pending_trace = None
+        self._traced_steps += 1
+        gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
+        dist.gather_object(self._tracer.spans, gathered if self.is_global_zero else None, dst=0)
+        if self.is_global_zero and self.trace_dir is not None:
+            assert self.layout is not None
+            layout = self.layout
+            title = (
+                f"{self.config.schedule}, {self.config.sharding}: p={layout.pipeline_parallel_size}"
+                f" dp={layout.data_parallel_size} v={layout.stages_per_rank} m={layout.num_microbatches}"
+                f", step {step + 1}"
+            )
+            table = trace_io.write_step([s for spans in gathered for s in spans], self.trace_dir, step + 1, title)
+            rank_zero_info(f"BFPPStrategy trace of {title} written to {self.trace_dir}\n{table}")
+
+    @override
+    def on_train_end(self) -> None:
+        self._flush_trace()
 
     def _zero_grad(self, trainer: pl.Trainer, batch_idx: int) -> None:
         optimizer = trainer.optimizers[0]

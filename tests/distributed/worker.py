@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+import torch.distributed.pipelining.schedules as torch_schedules
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -38,6 +39,8 @@ from tests.models import (
     make_model,
     trainer_defaults,
 )
+
+ORIGINAL_RUNTIME = (torch_schedules.record_function, torch_schedules._wait_batch_p2p)
 
 
 class EventLog:
@@ -118,6 +121,10 @@ class Probe(L.Callback):
         self.events.step = trainer.global_step + 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.holdings["runtime_untouched"] = (
+            torch_schedules.record_function is ORIGINAL_RUNTIME[0]
+            and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
+        )
         names = {id(p): n for n, p in pl_module.named_parameters()}
         optimizer = trainer.optimizers[0]
         self.holdings["lrs"] = [group["lr"] for group in optimizer.param_groups]

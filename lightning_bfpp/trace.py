@@ -1,0 +1,130 @@
+"""Record what each rank did during a pipelined step: ``BFPPStrategy(trace="dir")``.
+
+While a traced step runs, the tracer hooks torch's pipeline runtime at the points where it already marks
+actions (its ``record_function("PP:<action>")`` ranges), where it waits for point-to-point transfers
+(``_wait_batch_p2p``), and where it waits for a stage's weights (``_assert_unsharded``), and turns them into
+:class:`lightning_bfpp.timeline.Span` records: compute per stage and micro-batch (what the action does
+after its waits), waits for neighbours, weight gathers, gradient reductions, and the optimizer step. The
+hooks exist only inside traced steps; with tracing off nothing is installed.
+
+Ranks align their clocks with a barrier at the start of each traced step. Times are host times: on GPUs
+the tracer synchronizes the device at span ends so that host time is device time (tracing is for looking,
+not for the fastest run).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining.schedules as torch_schedules
+
+from lightning_bfpp.timeline import Span, draw, format_summary, summarize, write_chrome_trace, write_spans
+
+_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+_POSTS = {"SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
+
+
+class StepTracer:
+    """Collects this rank's spans for one step at a time."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
+        self.spans: list[Span] = []
+        self._t0 = 0.0
+        self._action: tuple[int, str, int | None] | None = None
+        self._compute_from = 0.0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._t0
+
+    def start_step(self, group: Any = None) -> None:
+        """Align with the other ranks (a barrier), then start this step's clock."""
+        self.spans = []
+        dist.barrier(group=group)
+        self._t0 = time.perf_counter()
+
+    def add(self, kind: str, start: float, end: float, stage: int | None = None, microbatch: int | None = None) -> None:
+        self.spans.append(Span(self.rank, kind, start, end, stage, microbatch))
+
+    @contextmanager
+    def recording(self, schedule: Any) -> Iterator[None]:
+        """Hook the runtime for the duration of one ``schedule.run``."""
+        originals = (torch_schedules.record_function, torch_schedules._wait_batch_p2p)
+        original_assert = schedule._assert_unsharded
+        torch_schedules.record_function = self._action_range(originals[0])
+        torch_schedules._wait_batch_p2p = self._timed_wait("p2p_wait", originals[1])
+        schedule._assert_unsharded = self._timed_wait("gather_wait", original_assert)
+        try:
+            yield
+        finally:
+            torch_schedules.record_function, torch_schedules._wait_batch_p2p = originals
+            del schedule._assert_unsharded
+
+    def _action_range(self, original: Callable[[str], Any]) -> Callable[[str], Any]:
+        tracer = self
+
+        @contextmanager
+        def record(name: str) -> Iterator[None]:
+            match = _ACTION.match(name)
+            if match is None:
+                with original(name):
+                    yield
+                return
+            stage, kind, mb = int(match.group(1)), match.group(2), int(match.group(3)) if match.group(3) else None
+            start = tracer.now()
+            tracer._action, tracer._compute_from = (stage, kind, mb), start
+            try:
+                with original(name):
+                    yield
+            finally:
+                end = tracer.now()
+                tracer._action = None
+                if kind in ("F", "B", "I", "W"):
+                    compute = "forward" if kind == "F" else "backward"
+                    tracer.add(compute, tracer._compute_from, end, stage, mb)
+                elif kind == "REDUCE_GRAD":
+                    tracer.add("reduce", start, end, stage)
+                elif kind == "UNSHARD":
+                    tracer.add("gather", start, end, stage)
+                elif kind in _POSTS:
+                    tracer.add(_POSTS[kind], start, end, stage, mb)
+
+        return record
+
+    def _timed_wait(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        tracer = self
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            start = tracer.now()
+            result = original(*args, **kwargs)
+            end = tracer.now()
+            stage, _, mb = tracer._action or (None, None, None)
+            if end - start > 0:
+                tracer.add(kind, start, end, stage, mb)
+            tracer._compute_from = end
+            return result
+
+        return wait
+
+
+def write_step(spans: list[Span], folder: Path, step: int, title: str) -> str:
+    """Write one step's Chrome trace, raw spans and PNG timeline; return its summary table."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"step{step:05d}"
+    write_chrome_trace(spans, stem.with_suffix(".json"), title)
+    write_spans(spans, Path(f"{stem}.spans.json"))
+    draw(spans, stem.with_suffix(".png"), title)
+    table = format_summary(summarize(spans))
+    with (folder / "summary.md").open("a") as f:
+        f.write(f"\n## step {step}: {title}\n\n{table}\n")
+    return table
