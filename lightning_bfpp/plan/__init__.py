@@ -1,0 +1,25 @@
+"""The planner: describe a model and a machine, simulate every configuration, rank them.
+
+Pure except :mod:`~lightning_bfpp.plan.profile` and :mod:`~lightning_bfpp.plan.calibrate`, which measure a
+module and this machine with torch. ``python -m lightning_bfpp.plan --help`` for the command line.
+"""
+
+from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import LayerCost, ModelProfile, gpt, uniform
+from lightning_bfpp.plan.search import Candidate, SearchSpace, format_table, search
+from lightning_bfpp.plan.simulate import PlanConfig, Prediction, simulate
+
+__all__ = [
+    "Candidate",
+    "Cluster",
+    "LayerCost",
+    "ModelProfile",
+    "PlanConfig",
+    "Prediction",
+    "SearchSpace",
+    "format_table",
+    "gpt",
+    "search",
+    "simulate",
+    "uniform",
+]

@@ -1,0 +1,221 @@
+"""``python -m lightning_bfpp.plan``: rank every configuration for a model on a machine.
+
+    # a model described by a profile (JSON), on 64 GPUs in nodes of 8
+    python -m lightning_bfpp.plan --model profile.json --devices 64 --devices-per-node 8 --memory 80GiB \\
+        --intra-node-bandwidth 200GB/s --inter-node-bandwidth 25GB/s --global-batch 256
+
+    # an analytic GPT (layers, hidden, sequence, vocabulary) at a sustained 156 TFLOP/s per device
+    python -m lightning_bfpp.plan --gpt 64,8192,2048,51200 --flops 156e12 --recompute --devices 64 ...
+
+    # measure a LightningModule's layers on this machine, and this machine's links
+    python -m lightning_bfpp.plan profile --module examples.train_gpt:GPT \\
+        --datamodule examples.train_gpt:SortDigitsData --microbatch-size 8 --out profile.json
+    python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json
+    python -m lightning_bfpp.plan --model profile.json --cluster cluster.json --global-batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster
+from lightning_bfpp.plan.costs import ModelProfile, gpt
+from lightning_bfpp.plan.search import SearchSpace, format_table, search
+from lightning_bfpp.schedule import SCHEDULES
+from lightning_bfpp.timeline import draw
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def quantity(text: str) -> float:
+    """``80GiB``, ``25GB/s``, ``1.5e9`` → a number of bytes (or bytes/s)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?i?)\s*[bB]?(?:/s)?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size or bandwidth: {text!r} (e.g. 80GiB, 25GB/s)")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _load(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    sys.path.insert(0, str(Path.cwd()))
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _search_parser(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=Path, help="a model profile (JSON, see lightning_bfpp.plan.costs)")
+    model.add_argument("--gpt", type=_ints, metavar="L,H,S,V", help="layers, hidden, sequence, vocabulary")
+    parser.add_argument("--flops", type=float, help="sustained FLOP/s per device (with --gpt)")
+    parser.add_argument("--recompute", action="store_true", help="activation recomputation (with --gpt)")
+    parser.add_argument("--optimizer-state-ratio", type=float, help="optimizer bytes per parameter byte")
+    parser.add_argument("--cluster", type=Path, help="a machine description (JSON, e.g. from `calibrate`)")
+    parser.add_argument("--devices", type=int)
+    parser.add_argument("--devices-per-node", type=int)
+    parser.add_argument("--memory", type=quantity, help="memory per device, e.g. 80GiB")
+    parser.add_argument("--intra-node-bandwidth", type=quantity, help="per device, e.g. 200GB/s")
+    parser.add_argument("--inter-node-bandwidth", type=quantity, help="per device, e.g. 25GB/s")
+    parser.add_argument("--latency", type=float, help="seconds per message")
+    parser.add_argument(
+        "--overlap-reductions",
+        action="store_true",
+        help="assume gradient reductions overlap later compute (a what-if: the runtime does not yet)",
+    )
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=SCHEDULES)
+    parser.add_argument("--shardings", type=lambda s: tuple(s.split(",")))
+    parser.add_argument("--mesh-orders", type=lambda s: tuple(s.split(",")), default=MESH_ORDERS)
+    parser.add_argument("--pipeline-sizes", type=_ints)
+    parser.add_argument("--stages-per-rank", type=_ints, default=(1, 2, 4, 8))
+    parser.add_argument("--microbatches", type=_ints, help="candidate micro-batch counts per replica")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--timeline", type=Path, help="draw the best configuration's predicted timeline (PNG)")
+    parser.add_argument("--json", type=Path, help="write every candidate (JSON)")
+
+
+def _profile(args: argparse.Namespace) -> ModelProfile:
+    if args.model is not None:
+        profile = ModelProfile.from_json(args.model)
+    else:
+        if args.flops is None:
+            raise SystemExit("--gpt needs --flops (sustained FLOP/s per device)")
+        layers, hidden, sequence, vocab = args.gpt
+        profile = gpt(layers, hidden, sequence, vocab, flops_per_second=args.flops, recompute=args.recompute)
+    if args.optimizer_state_ratio is not None:
+        profile = replace(profile, optimizer_state_ratio=args.optimizer_state_ratio)
+    return profile
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    cluster = Cluster.from_json(args.cluster) if args.cluster else None
+    given = {
+        "num_devices": args.devices,
+        "devices_per_node": args.devices_per_node,
+        "memory_bytes": int(args.memory) if args.memory else None,
+        "intra_node_bandwidth": args.intra_node_bandwidth,
+        "inter_node_bandwidth": args.inter_node_bandwidth,
+        "latency_s": args.latency,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if cluster is None:
+        missing = {"num_devices", "memory_bytes", "intra_node_bandwidth"} - set(given)
+        if missing:
+            flags = ", ".join(
+                "--" + m.replace("_bytes", "").replace("num_", "").replace("_", "-") for m in sorted(missing)
+            )
+            raise SystemExit(f"describe the machine with --cluster FILE, or give {flags}")
+        given.setdefault("devices_per_node", given["num_devices"])
+        given.setdefault("inter_node_bandwidth", given["intra_node_bandwidth"])
+        cluster = Cluster(**given)
+    else:
+        cluster = replace(cluster, **given)
+    if args.overlap_reductions:
+        cluster = replace(cluster, overlap_reductions=True)
+    return cluster
+
+
+def run_search(args: argparse.Namespace) -> None:
+    profile, cluster = _profile(args), _cluster(args)
+    space = SearchSpace(
+        schedules=args.schedules,
+        shardings=args.shardings or SearchSpace().shardings,
+        mesh_orders=args.mesh_orders,
+        pipeline_sizes=args.pipeline_sizes,
+        stages_per_rank=args.stages_per_rank,
+        num_microbatches=args.microbatches,
+    )
+    candidates = search(profile, cluster, args.global_batch, space)
+    feasible = [c for c in candidates if c.infeasible is None]
+    print(
+        f"{profile.name}: {profile.num_layers} layers, {profile.param_bytes / 2**30:.1f} GiB of parameters;"
+        f" {cluster.num_devices} devices ({cluster.devices_per_node} per node, {cluster.memory_bytes / 2**30:.0f} GiB);"
+        f" global batch {args.global_batch}; {len(feasible)} of {len(candidates)} configurations feasible\n"
+    )
+    print(format_table(candidates, top=args.top))
+    if args.timeline and feasible:
+        best = feasible[0].prediction
+        assert best is not None
+        draw(best.spans, args.timeline, f"predicted: {best.config.describe()}")
+    if args.json:
+        rows = [
+            {
+                "config": asdict(c.config),
+                "infeasible": c.infeasible,
+                **({} if c.prediction is None else {
+                    "step_time": c.prediction.step_time, "bubble_fraction": c.prediction.bubble_fraction,
+                    "peak_memory": c.prediction.peak_memory, "comm_bytes": c.prediction.comm_bytes,
+                }),
+            }
+            for c in candidates
+        ]  # fmt: skip
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from lightning_bfpp.microbatch import split_microbatches
+    from lightning_bfpp.plan.profile import profile_module
+
+    module = _load(args.module)(**json.loads(args.init_args))
+    datamodule = _load(args.datamodule)()
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    if args.microbatch_size:
+        size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(next(iter(batch.values())))
+        batch = split_microbatches(batch, size // args.microbatch_size)[0]
+    profile = profile_module(module, batch, repeats=args.repeats)
+    profile.to_json(args.out)
+    print(f"wrote {args.out}: {profile.num_layers} layers, micro-batch of {profile.microbatch_size}")
+    for i, layer in enumerate(profile.layers):
+        print(
+            f"  layer {i}: forward {1e3 * layer.forward_s:.2f} ms, backward {1e3 * layer.backward_s:.2f} ms,"
+            f" {layer.param_bytes / 2**20:.2f} MiB parameters, {layer.saved_bytes / 2**20:.2f} MiB saved"
+        )
+
+
+def run_calibrate(args: argparse.Namespace) -> None:
+    from lightning_bfpp.plan.calibrate import calibrate
+
+    cluster, _ = calibrate(args.devices, group_size=args.group_size)
+    cluster.to_json(args.out)
+    print(f"wrote {args.out}: {cluster}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "profile":
+        parser = argparse.ArgumentParser(prog="python -m lightning_bfpp.plan profile")
+        parser.add_argument("--module", required=True, help="package.module:Class (or factory) of the LightningModule")
+        parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for the module")
+        parser.add_argument("--datamodule", required=True, help="package.module:Class of a LightningDataModule")
+        parser.add_argument("--microbatch-size", type=int, help="profile a micro-batch of this many samples")
+        parser.add_argument("--repeats", type=int, default=5)
+        parser.add_argument("--out", type=Path, required=True)
+        run_profile(parser.parse_args(argv[1:]))
+    elif argv and argv[0] == "calibrate":
+        parser = argparse.ArgumentParser(prog="python -m lightning_bfpp.plan calibrate")
+        parser.add_argument("--devices", type=int, required=True)
+        parser.add_argument("--group-size", type=int, default=2, help="data-parallel group size to measure")
+        parser.add_argument("--out", type=Path, required=True)
+        run_calibrate(parser.parse_args(argv[1:]))
+    else:
+        parser = argparse.ArgumentParser(
+            prog="python -m lightning_bfpp.plan",
+            description=__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _search_parser(parser)
+        run_search(parser.parse_args(argv[1:] if argv and argv[0] == "search" else argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""What a model costs per layer: compute time, parameter bytes, activation bytes. Pure.
+
+A :class:`ModelProfile` lists per-layer costs for micro-batches of ``microbatch_size`` samples; the planner
+scales times and activation sizes linearly to other micro-batch sizes (an assumption: accelerators run
+very small micro-batches less efficiently than linear scaling says, so profile at the size you plan for). Profiles
+come from a JSON file, from :func:`gpt` (an analytic transformer model, for planning at scale), from
+:func:`uniform`, or from measuring a LightningModule on this machine (:mod:`lightning_bfpp.plan.profile`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, for one micro-batch of the profile's size.
+
+    ``output_bytes`` is what it hands the next layer (sent between pipeline ranks at a stage boundary);
+    ``saved_bytes`` what it keeps for its backward (activation memory); ``param_bytes`` its weights.
+    """
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    output_bytes: int
+    saved_bytes: int
+
+    def scaled(self, factor: float) -> LayerCost:
+        return LayerCost(
+            self.forward_s * factor,
+            self.backward_s * factor,
+            self.param_bytes,
+            int(self.output_bytes * factor),
+            int(self.saved_bytes * factor),
+        )
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    layers: tuple[LayerCost, ...]
+    microbatch_size: int = 1
+    name: str = "model"
+    # optimizer state per byte of parameters (fp32 Adam: two moments = 2.0; SGD with momentum: 1.0)
+    optimizer_state_ratio: float = 2.0
+    # time of the optimizer update per parameter byte held (memory-bound elementwise update)
+    optimizer_s_per_byte: float = 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def at_microbatch_size(self, size: int) -> list[LayerCost]:
+        factor = size / self.microbatch_size
+        return [layer.scaled(factor) for layer in self.layers]
+
+    def to_json(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @staticmethod
+    def from_json(path: Path) -> ModelProfile:
+        raw = json.loads(Path(path).read_text())
+        raw["layers"] = tuple(LayerCost(**layer) for layer in raw["layers"])
+        return ModelProfile(**raw)
+
+
+def uniform(
+    num_layers: int,
+    forward_s: float,
+    backward_s: float,
+    param_bytes: int,
+    output_bytes: int,
+    saved_bytes: int | None = None,
+    microbatch_size: int = 1,
+    **kwargs: object,
+) -> ModelProfile:
+    """``num_layers`` identical layers."""
+    layer = LayerCost(
+        forward_s, backward_s, param_bytes, output_bytes, output_bytes if saved_bytes is None else saved_bytes
+    )
+    return ModelProfile(tuple([layer] * num_layers), microbatch_size=microbatch_size, **kwargs)  # type: ignore[arg-type]
+
+
+def gpt(
+    num_layers: int,
+    hidden: int,
+    sequence: int,
+    vocab: int,
+    *,
+    flops_per_second: float,
+    microbatch_size: int = 1,
+    bytes_per_value: int = 2,
+    recompute: bool = False,
+    name: str = "gpt",
+) -> ModelProfile:
+    """A GPT decoder as pipeline layers: embedding, ``num_layers`` transformer blocks, output head.
+
+    Compute from the standard counts (Narayanan et al. 2021): a block's forward is
+    ``24·s·h² + 4·s²·h`` FLOPs per sequence, its backward twice that; the head ``2·s·h·V``.
+    ``flops_per_second`` is the sustained rate (peak × achieved utilisation). Activation memory per block
+    and sequence is ``s·h·(34 + 5·a·s/h)`` bytes in half precision (Korthikanti et al. 2022) with ``a = h/128``
+    heads; with ``recompute`` only the block input (``2·s·h`` bytes) is kept.
+    """
+    s, h, b, v = sequence, hidden, microbatch_size, vocab
+    heads = max(1, h // 128)
+    block_flops = b * (24 * s * h * h + 4 * s * s * h)
+    block_params = 12 * h * h + 13 * h
+    saved = 2 * s * h * b if recompute else int(b * s * h * (34 + 5 * heads * s / h))
+    boundary = bytes_per_value * b * s * h
+    extra = block_flops / flops_per_second if recompute else 0.0  # one more forward in backward
+    block = LayerCost(block_flops / flops_per_second, 2 * block_flops / flops_per_second + extra,
+                      block_params * bytes_per_value, boundary, saved)  # fmt: skip
+    embed = LayerCost(0.0, 0.0, (v + s) * h * bytes_per_value, boundary, boundary)
+    head_flops = 2 * b * s * h * v
+    head = LayerCost(head_flops / flops_per_second, 2 * head_flops / flops_per_second, v * h * bytes_per_value,
+                     b * s * v * 4, b * s * v * 4 + boundary)  # fmt: skip
+    return ModelProfile((embed, *([block] * num_layers), head), microbatch_size=b, name=name)
+
+
+def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[LayerCost]:
+    """Sum layer costs into stage costs (a stage's output is its last layer's)."""
+    stages = []
+    start = 0
+    for count in counts:
+        run = layers[start : start + count]
+        stages.append(
+            LayerCost(
+                forward_s=sum(layer.forward_s for layer in run),
+                backward_s=sum(layer.backward_s for layer in run),
+                param_bytes=sum(layer.param_bytes for layer in run),
+                output_bytes=run[-1].output_bytes,
+                saved_bytes=sum(layer.saved_bytes for layer in run),
+            )
+        )
+        start += count
+    return stages

@@ -1,0 +1,235 @@
+"""Simulate one training step of a configuration as an event timeline. Pure.
+
+The simulator executes the very action lists the runtime executes (:func:`lightning_bfpp.schedule.generate`
+then :func:`~lightning_bfpp.schedule.lower`), rank by rank, with this model of a device:
+
+- compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
+  for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered;
+- a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
+  data-parallel stream, one collective at a time, overlapping compute;
+- a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as FSDP2 does inside torch's
+  pipeline runtime (``Cluster.overlap_reductions`` models the alternative);
+- activations and gradients travel point-to-point when produced, one message at a time per direction of
+  each link;
+- the step ends when every rank's work and the optimizer update are done.
+
+It returns the step time, the timeline (the same spans as measured traces, so both draw alike), the time
+each rank waited for its neighbours, peak memory per device and the bytes each device moved.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from lightning_bfpp.partition import balance_by_weight
+from lightning_bfpp.plan.cluster import Cluster, Links, links
+from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
+from lightning_bfpp.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, generate, lower
+from lightning_bfpp.timeline import Span
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    schedule: str
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    stages_per_rank: int
+    num_microbatches: int
+    microbatch_size: int
+    sharding: str = "full_shard"
+    microbatch_group_size: int | None = None
+    mesh_order: str = "data_pipeline"
+    stage_layer_counts: tuple[int, ...] | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def global_batch(self) -> int:
+        return self.data_parallel_size * self.num_microbatches * self.microbatch_size
+
+    def describe(self) -> str:
+        group = f" N={self.microbatch_group_size}" if self.microbatch_group_size else ""
+        return (
+            f"{self.schedule}{group} p={self.pipeline_parallel_size} dp={self.data_parallel_size}"
+            f" v={self.stages_per_rank} m={self.num_microbatches}×{self.microbatch_size} {self.sharding}"
+            f" {self.mesh_order}"
+        )
+
+
+@dataclass
+class Prediction:
+    config: PlanConfig
+    step_time: float
+    bubble_fraction: float
+    peak_memory: int
+    comm_bytes: int
+    spans: list[Span] = field(default_factory=list, repr=False)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over the whole machine."""
+        return self.config.global_batch / self.step_time
+
+
+class _Rank:
+    def __init__(self) -> None:
+        self.host = 0.0
+        self.dp_free = 0.0
+        self.cursor = 0
+        self.gathered: dict[int, float] = {}
+        self.memory: list[tuple[float, int]] = []  # (time, +/- bytes)
+        self.comm_bytes = 0
+        self.pipeline_wait = 0.0
+
+
+def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Prediction:
+    """Predict one training step of ``config`` (raises ``ValueError`` if the schedule rejects it)."""
+    p, dp, v, m = (
+        config.pipeline_parallel_size,
+        config.data_parallel_size,
+        config.stages_per_rank,
+        config.num_microbatches,
+    )
+    layers = profile.at_microbatch_size(config.microbatch_size)
+    counts = config.stage_layer_counts or balance_by_weight([layer.param_bytes for layer in layers], p * v)
+    stages = stage_costs(layers, counts)
+    schedule = lower(generate(config.schedule, p, v, m, config.microbatch_group_size), config.sharding, m)
+    net = links(cluster, p, dp, config.mesh_order)
+    return _run(config, schedule, stages, profile, cluster, net)
+
+
+def _run(
+    config: PlanConfig,
+    schedule: dict[int, list[Action]],
+    stages: list[LayerCost],
+    profile: ModelProfile,
+    cluster: Cluster,
+    net: Links,
+) -> Prediction:
+    p, dp, m = config.pipeline_parallel_size, config.data_parallel_size, config.num_microbatches
+    num_stages = len(stages)
+    sharded = config.sharding != "no_shard"
+    ranks = [_Rank() for _ in range(p)]
+    spans: list[Span] = []
+    fwd_ready: dict[tuple[int, int], float] = {(0, mb): 0.0 for mb in range(m)}
+    bwd_ready: dict[tuple[int, int], float] = {}
+    fwd_done: dict[tuple[int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    first_backward: dict[int, float] = {}
+    overhead = cluster.action_overhead_s
+
+    def send(src: int, dst_stage: int, mb: int, at: float, nbytes: int, forward: bool) -> None:
+        dst = dst_stage % p
+        ready = fwd_ready if forward else bwd_ready
+        if dst == src:
+            ready[(dst_stage, mb)] = at
+            return
+        link = (src, dst)
+        start = max(at, link_free[link])
+        arrival = start + net.p2p_s(src if forward else dst, nbytes)
+        link_free[link] = arrival
+        ready[(dst_stage, mb)] = arrival
+        ranks[src].comm_bytes += nbytes
+
+    def wait_compute(rank: int, r: _Rank, stage: int, ready: float) -> float:
+        start = max(r.host, ready, r.gathered.get(stage, 0.0) if sharded else 0.0)
+        if ready > r.host:
+            spans.append(Span(rank, "p2p_wait", r.host, min(ready, start)))
+            r.pipeline_wait += min(ready, start) - r.host
+        gather_end = r.gathered.get(stage, 0.0)
+        if sharded and gather_end > max(r.host, ready):
+            spans.append(Span(rank, "gather_wait", max(r.host, ready), gather_end, stage))
+        return start
+
+    remaining = sum(len(actions) for actions in schedule.values())
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            r = ranks[rank]
+            actions = schedule[rank]
+            while r.cursor < len(actions):
+                a = actions[r.cursor]
+                cost = stages[a.stage]
+                if a.kind is UNSHARD:
+                    if sharded:
+                        start = max(r.host, r.dp_free)
+                        end = start + net.all_gather_s(rank, cost.param_bytes)
+                        r.dp_free = r.gathered[a.stage] = end
+                        spans.append(Span(rank, "gather", start, end, a.stage))
+                        r.comm_bytes += int(cost.param_bytes * (dp - 1) / dp)
+                        r.memory.append((start, cost.param_bytes))
+                    r.host += overhead
+                elif a.kind is RESHARD:
+                    if sharded:
+                        r.memory.append((r.host, -cost.param_bytes))
+                    r.host += overhead
+                elif a.kind is F:
+                    key = (a.stage, a.microbatch)
+                    if key not in fwd_ready:
+                        break
+                    start = wait_compute(rank, r, a.stage, fwd_ready[key])
+                    end = start + cost.forward_s + overhead
+                    spans.append(Span(rank, "forward", start, end, a.stage, a.microbatch))
+                    r.host = fwd_done[key] = end
+                    r.memory.append((end, cost.saved_bytes))
+                    if a.stage + 1 < num_stages:
+                        send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
+                    else:
+                        bwd_ready[key] = end
+                elif a.kind is B:
+                    key = (a.stage, a.microbatch)
+                    if key not in bwd_ready or key not in fwd_done:
+                        break
+                    start = wait_compute(rank, r, a.stage, bwd_ready[key])
+                    if sharded and a.stage not in first_backward:
+                        first_backward[a.stage] = start
+                        r.memory.append((start, cost.param_bytes))  # unsharded gradient buffer
+                    end = start + cost.backward_s + overhead
+                    spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
+                    r.host = end
+                    r.memory.append((end, -cost.saved_bytes))
+                    if a.stage > 0:
+                        send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
+                elif a.kind is REDUCE_GRAD:
+                    start = max(r.host, r.dp_free)
+                    if dp > 1:
+                        reduce = net.reduce_scatter_s if sharded else net.all_reduce_s
+                        end = start + reduce(rank, cost.param_bytes)
+                        r.comm_bytes += int(cost.param_bytes * (dp - 1) / dp * (1 if sharded else 2))
+                    else:
+                        end = start
+                    spans.append(Span(rank, "reduce", start, end, a.stage))
+                    r.dp_free = end
+                    r.host = r.host + overhead if cluster.overlap_reductions else end + overhead
+                    if sharded:
+                        r.memory.append((end, -cost.param_bytes))
+                r.cursor += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"{config.describe()}: the schedule cannot make progress (a deadlock)")
+
+    pipeline_end = max(max(r.host, r.dp_free) for r in ranks)
+    local_bytes = [sum(stages[s].param_bytes for s in range(rank, num_stages, p)) for rank in range(p)]
+    held = [b / dp if sharded else b for b in local_bytes]
+    optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
+    step_time = pipeline_end + optimizer_s + cluster.step_overhead_s
+    for rank, r in enumerate(ranks):
+        end = max(r.host, r.dp_free)
+        if end < pipeline_end:
+            spans.append(Span(rank, "step_sync", end, pipeline_end))
+            r.pipeline_wait += pipeline_end - end
+        spans.append(Span(rank, "optimizer", pipeline_end, pipeline_end + optimizer_s))
+    peaks = []
+    for rank, r in enumerate(ranks):
+        static = held[rank] * (2 + profile.optimizer_state_ratio)  # weights, gradients, optimizer state
+        current = peak = 0
+        for _, delta in sorted(r.memory, key=lambda event: (event[0], -event[1])):
+            current += delta
+            peak = max(peak, current)
+        peaks.append(int(static + peak))
+    bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
+    return Prediction(config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans)
