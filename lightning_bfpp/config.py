@@ -22,6 +22,9 @@ SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b")
 NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
 PARTITIONS: tuple[str, ...] = ("parameters", "uniform")
+# outer to inner mesh dimension: "data_pipeline" keeps a pipeline's ranks consecutive (inside a node),
+# "pipeline_data" keeps a data-parallel group's ranks consecutive
+MESH_ORDERS: tuple[str, ...] = ("data_pipeline", "pipeline_data")
 
 
 def _check_size(name: str, value: object, *, allow_auto: bool = True) -> None:
@@ -38,6 +41,7 @@ class MeshShape:
 
     pipeline_parallel_size: int
     data_parallel_size: int
+    mesh_order: str = "data_pipeline"
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class PipelineConfig:
     data_parallel_size: int | Auto = "auto"
     partition: PartitionSpec = "parameters"
     microbatch_group_size: int | None = None
+    mesh_order: str = "data_pipeline"
 
     def __post_init__(self) -> None:
         _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
@@ -95,6 +100,11 @@ class PipelineConfig:
             raise ValueError(
                 f"BFPPStrategy: schedule={self.schedule!r} is a non-looped schedule and needs stages_per_rank=1"
                 f" (got {self.stages_per_rank}); for several stages per rank use 'breadth_first' or 'depth_first'."
+            )
+        if self.mesh_order not in MESH_ORDERS:
+            raise ValueError(
+                f"BFPPStrategy: unknown `mesh_order={self.mesh_order!r}`; choose 'data_pipeline' (a pipeline's ranks"
+                " consecutive, e.g. inside a node) or 'pipeline_data' (a data-parallel group's ranks consecutive)."
             )
         if self.sharding not in SHARDINGS:
             raise ValueError(
@@ -152,7 +162,7 @@ class PipelineConfig:
                 f"BFPPStrategy: `partition` lists {len(self.partition)} stages, which is not a multiple of"
                 f" pipeline_parallel_size={p}; every rank must hold the same number of stages."
             )
-        return MeshShape(pipeline_parallel_size=p, data_parallel_size=dp)
+        return MeshShape(pipeline_parallel_size=p, data_parallel_size=dp, mesh_order=self.mesh_order)
 
     def resolve_layout(self, mesh: MeshShape, layer_weights: Sequence[int]) -> Layout:
         """Fix stages, micro-batches and the layer partition for a model with these layer weights."""

@@ -27,12 +27,20 @@ PIPELINE_PARALLEL = "pipeline_parallel"
 
 
 def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
-    """The 2-D (data × pipeline) mesh; the ranks of one pipeline are consecutive global ranks."""
-    return init_device_mesh(
-        device.type,
-        (shape.data_parallel_size, shape.pipeline_parallel_size),
-        mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL),
+    """The 2-D (data × pipeline) mesh.
+
+    With ``mesh_order="data_pipeline"`` the ranks of one pipeline are consecutive global ranks (so a
+    pipeline stays inside a node and data-parallel groups span nodes); with ``"pipeline_data"`` the ranks of
+    one data-parallel group are (so its all-gathers and reductions, the heaviest traffic under sharding,
+    stay inside a node while the pipeline's point-to-point transfers cross nodes).
+    """
+    dims = {DATA_PARALLEL: shape.data_parallel_size, PIPELINE_PARALLEL: shape.pipeline_parallel_size}
+    names = (
+        (DATA_PARALLEL, PIPELINE_PARALLEL)
+        if shape.mesh_order == "data_pipeline"
+        else (PIPELINE_PARALLEL, DATA_PARALLEL)
     )
+    return init_device_mesh(device.type, tuple(dims[n] for n in names), mesh_dim_names=names)
 
 
 def shard_stage(

@@ -77,6 +77,9 @@ class BFPPStrategy(ModelParallelStrategy):
             per rank).
         microbatch_group_size: for ``"depth_first"``, micro-batches per stage visit, from ``p``
             (depth-first, the default) to ``m`` (Megatron's breadth-first end of the same order).
+        mesh_order: ``"data_pipeline"`` puts a pipeline's ranks on consecutive global ranks (inside a
+            node); ``"pipeline_data"`` puts a data-parallel group's there, keeping the sharded
+            all-gathers and reductions inside a node (the planner says which is faster).
         sharding: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (replicated,
             gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage.
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
@@ -103,6 +106,7 @@ class BFPPStrategy(ModelParallelStrategy):
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec = "parameters",
         microbatch_group_size: int | None = None,
+        mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         trace: str | Path | None = None,
         trace_steps: int = 4,
@@ -119,6 +123,7 @@ class BFPPStrategy(ModelParallelStrategy):
             data_parallel_size=data_parallel_size,
             partition=partition,
             microbatch_group_size=microbatch_group_size,
+            mesh_order=mesh_order,
         )
         self._recompute = recompute_policy(activation_checkpointing)
         if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:

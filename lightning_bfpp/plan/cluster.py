@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MESH_ORDERS = ("data_pipeline", "pipeline_data")
+from lightning_bfpp.config import MESH_ORDERS
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ RUNS[4] += [
     make_run(2, 2, 1, 4, "no_shard", schedule="gpipe"),
 ]
 RUNS[2] += [make_run(2, 1, 3, 8, "full_shard", schedule="depth_first", group=4)]
+# the other mesh order: a data-parallel group's ranks are consecutive (kept inside a node)
+_replicas_inner = make_run(2, 2, 2, 4, "full_shard")
+_replicas_inner.name += "_pipeline_data"
+_replicas_inner.strategy["mesh_order"] = "pipeline_data"
+RUNS[4].append(_replicas_inner)
 # `Trainer(devices=4, strategy="bfpp")` with every default: p=4, dp=1, v=2 (10 layers), m=p=4
 RUNS[4].append(
     RunSpec(name="registered_defaults", strategy={"name": "bfpp"}, model={"optimizer": "sgd"}, local_batch_size=8)
@@ -89,6 +94,9 @@ def test_matches_single_device(run, results):
             assert got["returned_loss"] == pytest.approx(want["returned_loss"], rel=TOL)
     if run.name == "registered_defaults":
         assert sorted(r["holdings"]["pipeline_rank"] for r in result.ranks) == [0, 1, 2, 3]
+    if run.name.endswith("_pipeline_data"):  # global ranks 0 and 1 are the two replicas of pipeline rank 0
+        placement = [(r["holdings"]["pipeline_rank"], r["holdings"]["data_parallel_rank"]) for r in result.ranks]
+        assert placement == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_params_match(result, ref, tol=TOL)
     # the parameters actually moved, so agreeing is not trivial
     initial = make_model(run).state_dict()

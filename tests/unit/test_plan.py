@@ -1,0 +1,127 @@
+"""The planner as pure functions: the simulator against closed-form schedule formulas, memory and traffic,
+the topology model, the search, and the command line."""
+
+import itertools
+import math
+
+import pytest
+
+from lightning_bfpp.plan import Cluster, PlanConfig, SearchSpace, format_table, gpt, search, simulate, uniform
+from lightning_bfpp.plan.__main__ import main, quantity
+from lightning_bfpp.plan.cluster import links
+
+FREE = Cluster(num_devices=64, devices_per_node=8, memory_bytes=2**40, intra_node_bandwidth=1e18,
+               inter_node_bandwidth=1e18, latency_s=0.0)  # fmt: skip
+T_F, T_B = 1.0, 2.0  # per layer and micro-batch
+
+
+def model(layers=16, param_bytes=1, saved=100):
+    return uniform(layers, T_F, T_B, param_bytes, 10, saved, optimizer_state_ratio=0.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_non_looped_schedules_take_m_plus_p_minus_one_slots(p, m):
+    per_stage = (T_F + T_B) * 16 / p
+    for schedule in ("gpipe", "1f1b"):
+        step = simulate(PlanConfig(schedule, p, 1, 1, m, 1), model(), FREE).step_time
+        assert step == pytest.approx((m + p - 1) * per_stage)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8), (2, 8, 2)])
+def test_looped_schedules_cut_the_bubble_by_v(p, v, m):
+    # the paper's bubble (p − 1)/(v·m) for m ≥ p: step = m·(tF+tB)_rank + (p − 1)·(tF+tB)_stage
+    rank_time = (T_F + T_B) * 16 / p
+    expected = m * rank_time + (p - 1) * rank_time / v
+    assert simulate(PlanConfig("breadth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
+    if m >= p:
+        assert simulate(PlanConfig("depth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
+
+
+def test_breadth_first_with_fewer_microbatches_than_ranks_stalls_each_loop():
+    p, v, m = 4, 2, 2
+    stage = (T_F + T_B) * 16 / (p * v)
+    step = simulate(PlanConfig("breadth_first", p, 1, v, m, 1), model(), FREE).step_time
+    ideal = m * v * stage
+    assert step / ideal - 1 == pytest.approx((v * (p - m) + m - 1) / (v * m))
+
+
+def test_activation_memory_breadth_first_holds_every_microbatch_1f1b_at_most_p():
+    p, m, saved = 4, 16, 100
+    bf = simulate(PlanConfig("breadth_first", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
+    ofob = simulate(PlanConfig("1f1b", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
+    layers_per_rank = 16 // p
+    assert bf == pytest.approx(m * layers_per_rank * saved, rel=0.01)
+    assert ofob == pytest.approx(p * layers_per_rank * saved, rel=0.01)
+
+
+def test_full_shard_traffic_and_memory():
+    big = model(param_bytes=1000, saved=0)
+    cluster = Cluster(4, 4, 2**40, 1e18, 1e18, latency_s=0.0)
+    bf = simulate(PlanConfig("breadth_first", 2, 2, 2, 8, 1), big, cluster)
+    df = simulate(PlanConfig("depth_first", 2, 2, 2, 8, 1), big, cluster)
+    stage_bytes = 1000 * 16 // 4
+    # breadth-first: 2v−1 gathers and v reductions of a stage, each moving half its bytes (dp=2)
+    assert bf.comm_bytes >= (3 + 2) * stage_bytes // 2
+    assert df.comm_bytes > 2 * bf.comm_bytes  # a gather per visit
+    held = 2 * stage_bytes // 2  # two local stages, sharded in two
+    assert bf.peak_memory >= 2 * held  # weights and gradients (optimizer state ratio 0 here)
+
+
+def test_mesh_order_decides_which_group_stays_in_a_node():
+    cluster = Cluster(16, 8, 2**40, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
+    pipelines_in_node = links(cluster, p=8, dp=2, mesh_order="data_pipeline")
+    replicas_in_node = links(cluster, p=8, dp=2, mesh_order="pipeline_data")
+    # 2 nodes of 8: a pipeline of 8 fits a node, or the replica pairs do and the pipeline crosses once
+    assert set(pipelines_in_node.p2p_bandwidth) == {100.0} and set(pipelines_in_node.data_parallel_bandwidth) == {1.0}
+    assert set(replicas_in_node.data_parallel_bandwidth) == {100.0} and min(replicas_in_node.p2p_bandwidth) == 1.0
+
+
+def test_search_ranks_and_explains_what_cannot_run():
+    profile = uniform(8, 1e-3, 2e-3, 2**30, 2**20, 2**20)
+    cluster = Cluster(4, 4, memory_bytes=12 * 2**30, intra_node_bandwidth=1e11, inter_node_bandwidth=1e11)
+    candidates = search(profile, cluster, global_batch=8, space=SearchSpace(stages_per_rank=(1, 2, 4)))
+    feasible = [c for c in candidates if c.infeasible is None]
+    assert feasible and all(a.prediction.step_time <= b.prediction.step_time for a, b in itertools.pairwise(feasible))
+    reasons = {c.infeasible.split(":")[0] for c in candidates if c.infeasible}
+    assert "memory" in reasons  # e.g. p=1: all 8 GiB of weights with optimizer state on one device
+    assert any("stages >" in c.infeasible for c in candidates if c.infeasible)
+    table = format_table(candidates, top=3)
+    assert table.count("\n") == 1 + 3 + 5 and "infeasible:" in table
+
+
+def test_gpt_profile_counts_parameters():
+    profile = gpt(64, 8192, 2048, 51200, flops_per_second=1e14)
+    assert profile.num_layers == 66
+    assert profile.param_bytes / 2 == pytest.approx(52.4e9, rel=0.01)  # the paper's 52B-parameter scale
+    block = profile.layers[1]
+    assert block.backward_s == pytest.approx(2 * block.forward_s)
+    assert gpt(2, 1024, 512, 100, flops_per_second=1e14, recompute=True).layers[1].saved_bytes == 2 * 512 * 1024
+
+
+def test_quantities():
+    assert quantity("80GiB") == 80 * 2**30 and quantity("25GB/s") == 25e9 and quantity("1.5e9") == 1.5e9
+    with pytest.raises(Exception, match="not a size"):
+        quantity("fast")
+
+
+def test_command_line(capsys, tmp_path):
+    main(["--gpt", "8,1024,512,1000", "--flops", "1e14", "--devices", "8", "--devices-per-node", "4",
+          "--memory", "16GiB", "--intra-node-bandwidth", "100GB/s", "--inter-node-bandwidth", "10GB/s",
+          "--global-batch", "16", "--top", "3", "--timeline", str(tmp_path / "best.png"),
+          "--json", str(tmp_path / "all.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "configurations feasible" in out and "| 1 |" in out
+    assert (tmp_path / "best.png").stat().st_size > 5000 and (tmp_path / "all.json").exists()
+    with pytest.raises(SystemExit, match="--memory"):
+        main(["--gpt", "8,1024,512,1000", "--flops", "1e14", "--devices", "8", "--intra-node-bandwidth", "1GB/s",
+              "--global-batch", "16"])  # fmt: skip
+
+
+def test_overlapping_reductions_never_slows_a_step():
+    profile = uniform(16, 1e-3, 2e-3, 2**24, 2**16, 2**16)
+    cluster = Cluster(8, 8, 2**40, 1e9, 1e9)
+    for schedule in ("breadth_first", "depth_first"):
+        config = PlanConfig(schedule, 4, 2, 2, 8, 1)
+        plain = simulate(config, profile, cluster).step_time
+        overlapped = simulate(config, profile, Cluster(8, 8, 2**40, 1e9, 1e9, overlap_reductions=True)).step_time
+        assert overlapped <= plain and not math.isclose(overlapped, plain)
