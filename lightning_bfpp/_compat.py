@@ -14,6 +14,7 @@ from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_s
 from lightning.fabric.utilities.init import _materialize
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.trainer import call as lightning_call
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
@@ -60,6 +61,11 @@ def set_skip_backward(trainer: object, value: bool) -> None:
     trainer.fit_loop._skip_backward = value  # type: ignore[attr-defined]
 
 
+def request_train_dataloader(trainer: object) -> object:
+    """The training DataLoader as the user defined it (before Lightning adds a distributed sampler)."""
+    return _request_dataloader(trainer.fit_loop._data_source)  # type: ignore[attr-defined]
+
+
 def get_skip_backward(trainer: object) -> bool:
     return bool(trainer.fit_loop._skip_backward)  # type: ignore[attr-defined]
 
@@ -78,6 +84,7 @@ __all__ = [
     "get_skip_backward",
     "lightning_call",
     "replicate",
+    "request_train_dataloader",
     "set_skip_backward",
     "torch_version",
     "tree_flatten",

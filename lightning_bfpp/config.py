@@ -64,13 +64,14 @@ class Layout:
 class PipelineConfig:
     """User-facing knobs, validated on construction.
 
-    ``"auto"`` values are resolved later: ``pipeline_parallel_size`` from the world (all processes of a
-    node form one pipeline, nodes are data-parallel replicas), ``stages_per_rank`` and
-    ``num_microbatches`` from the model (two stages per rank when there are enough layers; as many
-    micro-batches as pipeline ranks, the smallest count with which breadth-first keeps every rank busy).
+    ``pipeline_parallel_size=None`` (the default) makes all processes of a node one pipeline, and nodes
+    data-parallel replicas; ``"auto"`` lets the planner choose (:mod:`lightning_bfpp.auto`), which then
+    also chooses ``stages_per_rank`` and ``num_microbatches`` where they are ``"auto"``. Otherwise
+    ``"auto"`` values are resolved from the model: two stages per rank when there are enough layers; as many
+    micro-batches as pipeline ranks, the smallest count with which breadth-first keeps every rank busy.
     """
 
-    pipeline_parallel_size: int | Auto = "auto"
+    pipeline_parallel_size: int | Auto | None = None
     stages_per_rank: int | Auto = "auto"
     num_microbatches: int | Auto = "auto"
     schedule: str = "breadth_first"
@@ -81,7 +82,13 @@ class PipelineConfig:
     mesh_order: str = "data_pipeline"
 
     def __post_init__(self) -> None:
-        _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.pipeline_parallel_size is not None:
+            _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.pipeline_parallel_size == "auto" and self.data_parallel_size != "auto":
+            raise ValueError(
+                "BFPPStrategy: with `pipeline_parallel_size='auto'` the planner chooses the pipeline size, and with"
+                " it the data-parallel size; leave `data_parallel_size='auto'` or fix `pipeline_parallel_size`."
+            )
         _check_size("stages_per_rank", self.stages_per_rank)
         _check_size("num_microbatches", self.num_microbatches)
         _check_size("data_parallel_size", self.data_parallel_size)
@@ -128,9 +135,11 @@ class PipelineConfig:
     def resolve_mesh(self, world_size: int, processes_per_node: int) -> MeshShape:
         """Fix the pipeline and data-parallel sizes for ``world_size`` ranks."""
         p, dp = self.pipeline_parallel_size, self.data_parallel_size
-        if p == "auto" and dp == "auto":
-            p = processes_per_node if world_size % processes_per_node == 0 else world_size
         if p == "auto":
+            raise ValueError("pipeline_parallel_size='auto' is chosen by the planner (lightning_bfpp.auto) first")
+        if p is None and dp == "auto":
+            p = processes_per_node if world_size % processes_per_node == 0 else world_size
+        if p is None:
             assert isinstance(dp, int)
             if world_size % dp:
                 raise ValueError(

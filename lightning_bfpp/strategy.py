@@ -14,6 +14,7 @@ precision checks, ``is_distributed``) and replaces what assumes a whole model pe
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,7 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bfpp import _compat, clipping
+from lightning_bfpp import _compat, auto, clipping
 from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp import trace as trace_io
 from lightning_bfpp._compat import lightning_call
@@ -53,6 +54,8 @@ from lightning_bfpp.layers import (
 from lightning_bfpp.logged_values import LoggedValueSync, combine_microbatches, replay
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
+from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
 from lightning_bfpp.trace import StepTracer
@@ -68,7 +71,9 @@ class BFPPStrategy(ModelParallelStrategy):
     composition is ``forward``; its ``training_step`` stays single-device code calling ``self(...)``.
 
     Arguments:
-        pipeline_parallel_size: ranks per pipeline (``p``). ``"auto"``: the processes of one node.
+        pipeline_parallel_size: ranks per pipeline (``p``). ``None`` (default): the processes of one node;
+            ``"auto"``: the planner measures the model on one batch and picks the fastest layout (with
+            ``stages_per_rank`` and ``num_microbatches`` where those are ``"auto"``), see ``cluster``.
         stages_per_rank: stages each pipeline rank holds (``v``); stage ``s`` lives on rank ``s mod p``.
             ``"auto"``: 2 if the model has at least ``2p`` layers, else 1.
         num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
@@ -87,6 +92,11 @@ class BFPPStrategy(ModelParallelStrategy):
             the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
         activation_checkpointing: recompute layers' activations in backward instead of storing them:
             ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
+        cluster: for ``pipeline_parallel_size="auto"``, the machine (a ``lightning_bfpp.plan.Cluster`` or its
+            JSON, e.g. from ``python -m lightning_bfpp.plan calibrate``); default: this machine's devices
+            and memory with assumed link bandwidths.
+        plan_profile: for ``"auto"``, the model's costs (a ``ModelProfile`` or its JSON) instead of
+            measuring them; needed for models created on the meta device.
         trace: a folder to write timelines of the first ``trace_steps`` training steps to: per step a Chrome
             trace (open it in Perfetto), a PNG with one row per rank, and a per-rank summary (busy, bubble,
             communication). Off (``None``) by default, and then nothing is recorded.
@@ -98,7 +108,7 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel_size: int | Auto = "auto",
+        pipeline_parallel_size: int | Auto | None = None,
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
         schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b"] = "breadth_first",
@@ -110,6 +120,8 @@ class BFPPStrategy(ModelParallelStrategy):
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         trace: str | Path | None = None,
         trace_steps: int = 4,
+        cluster: Cluster | str | Path | None = None,
+        plan_profile: ModelProfile | str | Path | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -128,6 +140,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self._recompute = recompute_policy(activation_checkpointing)
         if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:
             raise ValueError(f"BFPPStrategy: `trace_steps` must be a positive int, got {trace_steps!r}.")
+        self._plan_cluster = cluster
+        self._plan_profile = plan_profile
         self.trace_dir = Path(trace) if trace is not None else None
         self.trace_steps = trace_steps
         self._tracer: StepTracer | None = None
@@ -159,12 +173,40 @@ class BFPPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
         self.set_world_ranks()
-        # every rank resolves the same sizes and raises the same error before any collective
-        self.mesh_shape = self.config.resolve_mesh(self.world_size, max(self.num_processes, 1))
+        planned = self.config.pipeline_parallel_size == "auto"
+        if not planned:  # every rank resolves the same sizes and raises the same error before any collective
+            self.mesh_shape = self.config.resolve_mesh(self.world_size, max(self.num_processes, 1))
         self._setup_distributed()
+        if not planned:
+            self._build_device_mesh()
+
+    def _build_device_mesh(self) -> None:
+        assert self.mesh_shape is not None and self.lightning_module is not None
         self._device_mesh = build_mesh(self.root_device, self.mesh_shape)
-        assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _plan_layout(self, trainer: pl.Trainer) -> None:
+        """``pipeline_parallel_size="auto"``: the planner picks the layout (see lightning_bfpp.auto)."""
+        assert self.lightning_module is not None
+        per_node = max(self.num_processes, 1)
+        cluster = auto.load_cluster(self._plan_cluster, self.world_size, per_node, self.root_device)
+        profile = self._plan_profile
+        if profile is not None and not isinstance(profile, ModelProfile):
+            profile = ModelProfile.from_json(Path(profile))
+        best, table = auto.choose(
+            self.config, self.lightning_module, trainer, cluster, profile, self.root_device, self.is_global_zero
+        )
+        chosen = best.config
+        rank_zero_info(f"BFPPStrategy(pipeline_parallel_size='auto') chose {chosen.describe()}:\n{table}")
+        self.config = dataclasses.replace(
+            self.config,
+            pipeline_parallel_size=chosen.pipeline_parallel_size,
+            stages_per_rank=chosen.stages_per_rank,
+            num_microbatches=chosen.num_microbatches,
+            microbatch_group_size=chosen.microbatch_group_size,
+        )
+        self.mesh_shape = self.config.resolve_mesh(self.world_size, per_node)
+        self._build_device_mesh()
 
     @property
     def pipeline_rank(self) -> int:
@@ -197,6 +239,8 @@ class BFPPStrategy(ModelParallelStrategy):
         # values are already reduced over replicas before Lightning sees them (see logged_values)
         warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
         if self.pipeline is None:
+            if self.mesh_shape is None:
+                self._plan_layout(trainer)
             self.pipeline = self._build_pipeline(module)
         elif self.pipeline.module is not module:
             raise RuntimeError(

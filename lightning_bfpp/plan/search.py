@@ -113,6 +113,25 @@ def search(
     )
 
 
+def search_per_replica_batch(
+    profile: ModelProfile, cluster: Cluster, per_replica_batch: int, space: SearchSpace | None = None
+) -> list[Candidate]:
+    """As :func:`search`, but with each replica's batch fixed (Lightning's ``batch_size`` is per process),
+    so the global batch grows with the data-parallel size; ranked by throughput (samples per second)."""
+    space = space or SearchSpace()
+    candidates: list[Candidate] = []
+    for p in space.pipeline_sizes or _divisors(cluster.num_devices):
+        if cluster.num_devices % p:
+            continue
+        dp = cluster.num_devices // p
+        sub = SearchSpace(**{**space.__dict__, "pipeline_sizes": (p,)})
+        candidates += search(profile, cluster, per_replica_batch * dp, sub)
+    return sorted(
+        candidates,
+        key=lambda c: (c.infeasible is not None, -c.prediction.throughput if c.prediction else 0.0),
+    )
+
+
 def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int = 5) -> str:
     header = (
         "| # | schedule | p | dp | v | m × mbs | N | sharding | mesh | step (s) | samples/s | bubble |"

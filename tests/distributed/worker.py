@@ -101,7 +101,14 @@ class Probe(L.Callback):
             for p in module.parameters()
         }
         local_layers = set(strategy.stage_plan.layers_of(strategy.pipeline_rank))
+        layout = strategy.layout
         self.holdings = {
+            "layout": {
+                "p": layout.pipeline_parallel_size,
+                "dp": layout.data_parallel_size,
+                "v": layout.stages_per_rank,
+                "m": layout.num_microbatches,
+            },
             "pipeline_rank": strategy.pipeline_rank,
             "data_parallel_rank": strategy.data_parallel_rank,
             "local_layers": sorted(local_layers),

@@ -1,0 +1,104 @@
+"""``pipeline_parallel_size="auto"``: let the planner choose the layout from a measured profile.
+
+At setup, global rank 0 measures the module's layers on its device with one real training batch
+(:mod:`lightning_bfpp.plan.profile`), describes the machine (:class:`~lightning_bfpp.plan.cluster.Cluster`,
+given or derived from the devices), simulates every feasible pipeline size (and, where they are
+``"auto"`` too, stages per rank and micro-batch counts) for the configured schedule and sharding, and
+broadcasts the fastest to every rank; all ranks then build the same mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+
+from lightning_bfpp._compat import request_train_dataloader
+from lightning_bfpp.config import PipelineConfig
+from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import ModelProfile
+from lightning_bfpp.plan.search import Candidate, SearchSpace, format_table, search_per_replica_batch
+
+# assumed when no `cluster=` is given; they decide only how communication weighs against compute
+_DEFAULT_BANDWIDTH = {"cuda": (100e9, 12.5e9), "cpu": (1e9, 1e9)}
+
+
+def default_cluster(world_size: int, processes_per_node: int, device: torch.device) -> Cluster:
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_per_node, 1)
+    intra, inter = _DEFAULT_BANDWIDTH.get(device.type, _DEFAULT_BANDWIDTH["cpu"])
+    return Cluster(world_size, processes_per_node, int(memory), intra, inter)
+
+
+def load_cluster(cluster: Cluster | str | Path | None, world_size: int, per_node: int, device: torch.device) -> Cluster:
+    if cluster is None:
+        return default_cluster(world_size, per_node, device)
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.from_json(Path(cluster))
+    return replace(cluster, num_devices=world_size, devices_per_node=per_node)
+
+
+def measure_profile(module: LightningModule, trainer: Trainer, device: torch.device) -> tuple[ModelProfile, int]:
+    """Profile the module on one training batch; returns the profile and the per-replica batch size."""
+    from lightning_bfpp.plan.profile import profile_module
+
+    if any(p.is_meta for p in module.parameters()):
+        raise RuntimeError(
+            "BFPPStrategy(pipeline_parallel_size='auto') measures the model's layers on one device, but the model"
+            " is on the meta device. Pass `plan_profile=` (a ModelProfile or its JSON) or a fixed"
+            " pipeline_parallel_size."
+        )
+    batch = next(iter(request_train_dataloader(trainer)))
+    batch = trainer.strategy.batch_to_device(batch, device)
+    original = next(module.parameters()).device
+    module.to(device)
+    try:
+        profile = profile_module(module, batch)
+    finally:
+        module.to(original)
+    return profile, profile.microbatch_size
+
+
+def choose(
+    config: PipelineConfig,
+    module: LightningModule,
+    trainer: Trainer,
+    cluster: Cluster,
+    profile: ModelProfile | None,
+    device: torch.device,
+    is_global_zero: bool,
+) -> tuple[Candidate, str]:
+    """The fastest layout, decided on global rank 0 and identical on every rank, with the table behind it."""
+    box: list[Any] = [None]
+    if is_global_zero:
+        if profile is None:
+            profile, batch = measure_profile(module, trainer, device)
+        else:
+            batch = profile.microbatch_size
+        space = SearchSpace(
+            schedules=(config.schedule,),
+            shardings=(config.sharding,),
+            mesh_orders=(config.mesh_order,),
+            stages_per_rank=(1, 2, 4, 8) if config.stages_per_rank == "auto" else (config.stages_per_rank,),
+            num_microbatches=None if config.num_microbatches == "auto" else (config.num_microbatches,),
+        )
+        candidates = search_per_replica_batch(profile, cluster, batch, space)
+        feasible = [c for c in candidates if c.infeasible is None]
+        if not feasible:
+            box[0] = RuntimeError(
+                "BFPPStrategy(pipeline_parallel_size='auto'): no configuration fits; the planner says:\n"
+                + format_table(candidates, top=0, infeasible=10)
+            )
+        else:
+            box[0] = (feasible[0], format_table(candidates, top=5, infeasible=3))
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
