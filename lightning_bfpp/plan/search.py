@@ -27,6 +27,8 @@ class SearchSpace:
     pipeline_sizes: tuple[int, ...] | None = None  # None: every divisor of the device count
     stages_per_rank: tuple[int, ...] = (1, 2, 4, 8)
     num_microbatches: tuple[int, ...] | None = None  # None: powers of two dividing the per-replica batch
+    # depth-first group sizes: "all" valid N in {p, 2p, 4p, m}, or "pipeline" (N = p, Megatron's default)
+    group_sizes: str = "all"
     max_actions_per_rank: int = 4096  # keeps each simulation fast; larger configurations are skipped
 
 
@@ -67,7 +69,9 @@ def configurations(
                 for schedule in space.schedules:
                     if schedule in ("gpipe", "1f1b") and v != 1:
                         continue
-                    groups = _group_sizes(p, m) if schedule == "depth_first" else [None]
+                    groups: list[int | None] = [None]
+                    if schedule == "depth_first":
+                        groups = [p] if space.group_sizes == "pipeline" else _group_sizes(p, m)
                     for group in groups:
                         for sharding in space.shardings:
                             if dp == 1 and sharding != "full_shard":

@@ -1,0 +1,59 @@
+"""Timelines of the same emulated model under each schedule, as ``BFPPStrategy(trace=...)`` records them.
+
+    python benchmarks/trace_schedules.py --out runs/traces     # one folder per schedule, a minute or two
+
+4 CPU processes (p=2, dp=2, v=2, m=4 for the looped schedules; v=1 for gpipe and 1f1b) with emulated
+layers (5 ms forward, 10 ms backward per layer and micro-batch), fully sharded. Each folder holds the
+Chrome traces, PNG timelines and summary of the traced steps; the summaries are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.emulated import EmulatedModel, EmulatedNet, emulated_loader
+from lightning_bfpp import BFPPStrategy
+
+MODEL = EmulatedModel(layers=8, forward_ms=5.0, backward_ms=10.0, param_numel=250_000, activation_numel=4096)
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
+
+
+def trace(schedule: str, out: Path) -> None:
+    looped = schedule in ("breadth_first", "depth_first")
+    strategy = BFPPStrategy(
+        pipeline_parallel_size=2, stages_per_rank=2 if looped else 1, num_microbatches=4, schedule=schedule,
+        trace=out / schedule, trace_steps=3,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(EmulatedNet(MODEL), emulated_loader(MODEL, 4, 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs/traces"))
+    parser.add_argument("--schedule", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.schedule:
+        trace(args.schedule, args.out)
+        return
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    for schedule in SCHEDULES:
+        cmd = [sys.executable, __file__, "--schedule", schedule, "--out", str(args.out)]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        summary = (args.out / schedule / "summary.md").read_text().strip().split("\n## ")[-1]
+        print(f"## {summary}\n")
+
+
+if __name__ == "__main__":
+    main()
