@@ -7,7 +7,11 @@
     # an analytic GPT (layers, hidden, sequence, vocabulary) at a sustained 156 TFLOP/s per device
     python -m lightning_bfpp.plan --gpt 64,8192,2048,51200 --flops 156e12 --recompute --devices 64 ...
 
-    # measure a LightningModule's layers on this machine, and this machine's links
+    # your LightningModule, measured on this machine with one batch of its DataModule, in one command
+    python -m lightning_bfpp.plan --module examples.train_gpt:GPT --datamodule examples.train_gpt:SortDigitsData \\
+        --microbatch-size 8 --devices 8 --memory 80GiB --intra-node-bandwidth 200GB/s --global-batch 256
+
+    # or in steps: the profile, this machine's links, then the plan
     python -m lightning_bfpp.plan profile --module examples.train_gpt:GPT \\
         --datamodule examples.train_gpt:SortDigitsData --microbatch-size 8 --out profile.json
     python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json
@@ -56,6 +60,8 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", type=Path, help="a model profile (JSON, see lightning_bfpp.plan.costs)")
     model.add_argument("--gpt", type=_ints, metavar="L,H,S,V", help="layers, hidden, sequence, vocabulary")
+    model.add_argument("--module", help="measure this LightningModule (package.module:Class) on this machine")
+    _profile_source(parser, required=False)
     parser.add_argument("--flops", type=float, help="sustained FLOP/s per device (with --gpt)")
     parser.add_argument("--recompute", action="store_true", help="activation recomputation (with --gpt)")
     parser.add_argument("--optimizer-state-ratio", type=float, help="optimizer bytes per parameter byte")
@@ -83,9 +89,34 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write every candidate (JSON)")
 
 
+def _profile_source(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for --module")
+    parser.add_argument("--datamodule", required=required, help="package.module:Class of a LightningDataModule")
+    parser.add_argument("--microbatch-size", type=int, help="profile a micro-batch of this many samples")
+    parser.add_argument("--repeats", type=int, default=5)
+
+
+def _measure(args: argparse.Namespace) -> ModelProfile:
+    from lightning_bfpp.microbatch import split_microbatches
+    from lightning_bfpp.plan.profile import profile_module
+
+    if not args.datamodule:
+        raise SystemExit("--module needs --datamodule (a training batch to measure with)")
+    module = _load(args.module)(**json.loads(args.init_args))
+    datamodule = _load(args.datamodule)()
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    if args.microbatch_size:
+        size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(next(iter(batch.values())))
+        batch = split_microbatches(batch, size // args.microbatch_size)[0]
+    return profile_module(module, batch, repeats=args.repeats)
+
+
 def _profile(args: argparse.Namespace) -> ModelProfile:
     if args.model is not None:
         profile = ModelProfile.from_json(args.model)
+    elif args.module is not None:
+        profile = _measure(args)
     else:
         if args.flops is None:
             raise SystemExit("--gpt needs --flops (sustained FLOP/s per device)")
@@ -162,17 +193,7 @@ def run_search(args: argparse.Namespace) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from lightning_bfpp.microbatch import split_microbatches
-    from lightning_bfpp.plan.profile import profile_module
-
-    module = _load(args.module)(**json.loads(args.init_args))
-    datamodule = _load(args.datamodule)()
-    datamodule.setup("fit")
-    batch = next(iter(datamodule.train_dataloader()))
-    if args.microbatch_size:
-        size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(next(iter(batch.values())))
-        batch = split_microbatches(batch, size // args.microbatch_size)[0]
-    profile = profile_module(module, batch, repeats=args.repeats)
+    profile = _measure(args)
     profile.to_json(args.out)
     print(f"wrote {args.out}: {profile.num_layers} layers, micro-batch of {profile.microbatch_size}")
     for i, layer in enumerate(profile.layers):
@@ -195,10 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "profile":
         parser = argparse.ArgumentParser(prog="python -m lightning_bfpp.plan profile")
         parser.add_argument("--module", required=True, help="package.module:Class (or factory) of the LightningModule")
-        parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for the module")
-        parser.add_argument("--datamodule", required=True, help="package.module:Class of a LightningDataModule")
-        parser.add_argument("--microbatch-size", type=int, help="profile a micro-batch of this many samples")
-        parser.add_argument("--repeats", type=int, default=5)
+        _profile_source(parser, required=True)
         parser.add_argument("--out", type=Path, required=True)
         run_profile(parser.parse_args(argv[1:]))
     elif argv and argv[0] == "calibrate":

@@ -36,3 +36,11 @@ def test_misconfiguration_fails_fast_on_every_rank(run, message, tmp_path):
     proc = run_worker([run], 2, tmp_path, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # raised by both ranks
+
+
+def test_breadth_first_with_fewer_microbatches_than_ranks_runs_but_warns(tmp_path):
+    run = RunSpec(name="few_microbatches", strategy={"pipeline_parallel_size": 2, "num_microbatches": 1},
+                  trainer={"max_steps": 2})  # fmt: skip
+    proc = run_worker([run], 2, tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "num_microbatches=1 is smaller than pipeline_parallel_size=2" in proc.stdout + proc.stderr

@@ -125,3 +125,19 @@ def test_overlapping_reductions_never_slows_a_step():
         plain = simulate(config, profile, cluster).step_time
         overlapped = simulate(config, profile, Cluster(8, 8, 2**40, 1e9, 1e9, overlap_reductions=True)).step_time
         assert overlapped <= plain and not math.isclose(overlapped, plain)
+
+
+def test_one_command_plan_for_a_lightning_module(capsys, tmp_path):
+    # measures examples/train_gpt.py's GPT on one micro-batch of its DataModule, then ranks layouts
+    main(["--module", "examples.train_gpt:GPT", "--init-args", '{"layers": 4, "dim": 32}',
+          "--datamodule", "examples.train_gpt:SortDigitsData", "--microbatch-size", "4", "--repeats", "1",
+          "--devices", "4", "--memory", "4GiB", "--intra-node-bandwidth", "10GB/s", "--global-batch", "32",
+          "--top", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("GPT: 6 layers") and "| 1 |" in out
+    main(["profile", "--module", "examples.train_gpt:GPT", "--init-args", '{"layers": 2, "dim": 16}',
+          "--datamodule", "examples.train_gpt:SortDigitsData", "--microbatch-size", "8", "--repeats", "1",
+          "--out", str(tmp_path / "profile.json")])  # fmt: skip
+    from lightning_bfpp.plan import ModelProfile
+
+    assert ModelProfile.from_json(tmp_path / "profile.json").microbatch_size == 8
