@@ -66,6 +66,29 @@ def request_train_dataloader(trainer: object) -> object:
     return _request_dataloader(trainer.fit_loop._data_source)  # type: ignore[attr-defined]
 
 
+def prediction_lists(trainer: object) -> list[list[object]]:
+    """The per-dataloader lists ``trainer.predict`` returns (the prediction loop's own, mutable in place)."""
+    return trainer.predict_loop._predictions  # type: ignore[attr-defined]
+
+
+def seen_batch_indices(dataloader: object) -> list[list[int]] | None:
+    """Dataset indices of each batch a prediction dataloader produced (Lightning's index-recording sampler)."""
+    return getattr(getattr(dataloader, "batch_sampler", None), "seen_batch_indices", None)
+
+
+def metric_step_value(metric: object) -> object:
+    """A torchmetrics Metric's value from its last ``forward`` (what Lightning logs per step)."""
+    return metric._forward_cache  # type: ignore[attr-defined]
+
+
+def set_metric_step_value(metric: object, value: object, *, mark_updated: bool) -> None:
+    """Set the per-step value Lightning will log for ``metric``; ``mark_updated`` tells torchmetrics that this
+    rank's (empty) state takes part in ``compute`` on purpose, so it does not warn about a missing update."""
+    metric._forward_cache = value  # type: ignore[attr-defined]
+    if mark_updated:
+        metric._update_count += 1  # type: ignore[attr-defined]
+
+
 def get_skip_backward(trainer: object) -> bool:
     return bool(trainer.fit_loop._skip_backward)  # type: ignore[attr-defined]
 
@@ -83,8 +106,12 @@ __all__ = [
     "format_torch_schedule",
     "get_skip_backward",
     "lightning_call",
+    "metric_step_value",
+    "prediction_lists",
     "replicate",
     "request_train_dataloader",
+    "seen_batch_indices",
+    "set_metric_step_value",
     "set_skip_backward",
     "torch_version",
     "tree_flatten",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
+from lightning_bfpp._compat import set_metric_step_value
 from lightning_bfpp.user_step import LoggedValue
 
 _REDUCE_OPS: dict[Any, str] = {
@@ -202,9 +203,7 @@ def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tens
         options = dict(spec.options)
         if spec.metric_attribute is not None:
             metric = module.get_submodule(spec.metric_attribute)
-            metric._forward_cache = value.clone()
-            if not metric_updated:
-                metric._update_count += 1
+            set_metric_step_value(metric, value.clone(), mark_updated=not metric_updated)
             module.log(spec.name, metric, metric_attribute=spec.metric_attribute, sync_dist=False, **options)
         else:
             module.log(spec.name, value.clone(), sync_dist=False, **options)

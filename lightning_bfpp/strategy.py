@@ -468,11 +468,12 @@ class BFPPStrategy(ModelParallelStrategy):
         if not isinstance(dataloaders, (list, tuple)):
             dataloaders = [dataloaders] if dataloaders is not None else []
         for dataloader_idx, dataloader in enumerate(dataloaders):
-            if dataloader_idx >= len(loop._predictions):
+            results = _compat.prediction_lists(trainer)
+            if dataloader_idx >= len(results):
                 break
             batch_sampler = getattr(dataloader, "batch_sampler", None)
-            indices = getattr(batch_sampler, "seen_batch_indices", None)
-            share = (indices, loop._predictions[dataloader_idx])
+            indices = _compat.seen_batch_indices(dataloader)
+            share = (indices, results[dataloader_idx])
             gathered: list[Any] = [None] * self.layout.data_parallel_size if self.data_parallel_rank == 0 else []
             dist.gather_object(share, gathered if self.data_parallel_rank == 0 else None, group=group, group_dst=0)
             if self.data_parallel_rank != 0:
@@ -486,7 +487,7 @@ class BFPPStrategy(ModelParallelStrategy):
                     " dimension is the batch), so `trainer.predict` returns this replica's share only, as with DDP."
                 )
                 continue
-            loop._predictions[dataloader_idx][:] = ordered
+            results[dataloader_idx][:] = ordered
 
     @override
     def teardown(self) -> None:

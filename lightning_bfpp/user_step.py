@@ -26,6 +26,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
+from lightning_bfpp._compat import metric_step_value
+
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 
@@ -120,7 +122,7 @@ class LogRecorder:
                 )
             value = value.detach().reshape(())
         elif isinstance(value, Metric):
-            cache = value._forward_cache
+            cache = metric_step_value(value)
             step_value = None if cache is None else torch.as_tensor(cache).detach().clone()
             self.records.append(LoggedValue(name, value, options, step_value))
             return

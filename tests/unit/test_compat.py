@@ -74,3 +74,24 @@ def test_lightning_internals():
 @pytest.mark.parametrize("name", ["tree_flatten", "tree_unflatten", "replicate", "_materialize"])
 def test_helpers_importable(name):
     assert callable(getattr(_compat, name))
+
+
+def test_torchmetrics_and_prediction_loop_internals():
+    import torch
+    from torchmetrics.regression import MeanAbsoluteError
+
+    metric = MeanAbsoluteError()
+    metric(torch.ones(4), torch.zeros(4))
+    assert float(_compat.metric_step_value(metric)) == 1.0
+    count = metric._update_count
+    _compat.set_metric_step_value(metric, torch.tensor(2.0), mark_updated=True)
+    assert float(_compat.metric_step_value(metric)) == 2.0 and metric._update_count == count + 1
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert _compat.prediction_lists(trainer) == []
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    wrapped = _IndexBatchSamplerWrapper(BatchSampler(SequentialSampler(range(4)), 2, False))
+    loader = DataLoader(list(range(4)), batch_sampler=wrapped)
+    list(loader)
+    assert _compat.seen_batch_indices(loader) == [[0, 1], [2, 3]]
