@@ -73,12 +73,38 @@ def recompute_policy(spec: Any) -> Callable[[nn.Module], bool]:
     )
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (it is sent to the previous stage)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous(value: Any, *, gradients: bool) -> Any:
+    """Tensors that cross a stage boundary must be dense: torch's point-to-point ops (gloo and NCCL) refuse
+    strided ones, which a layer can well produce (a transpose) or receive as gradient (the expanded
+    gradient of a ``mean`` loss)."""
+    if isinstance(value, tuple):
+        return tuple(_contiguous(v, gradients=gradients) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if gradients:
+        return _ContiguousGradient.apply(value) if value.requires_grad else value
+    return value.contiguous()
+
+
 class StageModule(nn.Module):
     """One pipeline stage: a contiguous run of the LightningModule's own layer objects, applied in order.
 
     The layers are shared with the LightningModule, not copied, so sharding them in place keeps their
     names there. Between stages, a tuple output travels as several tensors; it is packed back into one
-    tuple before the next layer, exactly as ``x = layer(x)`` would pass it on one device.
+    tuple before the next layer, exactly as ``x = layer(x)`` would pass it on one device. Activations
+    and gradients leaving a stage are made dense (see :func:`_contiguous`).
     """
 
     def __init__(self, layers: Sequence[nn.Module], stage_index: int) -> None:
@@ -91,10 +117,11 @@ class StageModule(nn.Module):
             x = self.layers[0](*args, **kwargs)
         else:
             # torch's pipeline passes keyword inputs to every stage; only the first layer takes them
-            x = self.layers[0](args[0] if len(args) == 1 else tuple(args))
+            received = _contiguous(args[0] if len(args) == 1 else tuple(args), gradients=True)
+            x = self.layers[0](received)
         for layer in self.layers[1:]:
             x = layer(x)
-        return x
+        return _contiguous(x, gradients=False)
 
 
 def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -29,6 +29,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics.regression import MeanAbsoluteError
 
 
+class Transpose(nn.Module):
+    """A parameter-free layer whose output is a strided view."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
 class Block(nn.Module):
     """Pre-norm residual MLP block."""
 
@@ -56,6 +63,7 @@ class ModelSpec:
     tie_blocks: bool = False  # share a weight between the first and last block (not pipelinable)
     param_groups: int = 1  # 2: weights and the rest (norms, biases) in separate groups, different lr and decay
     metrics: bool = False  # torchmetrics MeanAbsoluteError logged from the training, validation and test steps
+    strided: bool = False  # a last layer that transposes, and a loss whose gradient is expanded (stride 0)
     scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
 
 
@@ -73,9 +81,12 @@ class PipeNet(L.LightningModule):
             self.blocks[-1].up.weight = self.blocks[0].up.weight
         if s.metrics:
             self.train_mae, self.val_mae, self.test_mae = MeanAbsoluteError(), MeanAbsoluteError(), MeanAbsoluteError()
+        if s.strided:
+            self.transpose = Transpose()
 
     def pipeline_layers(self) -> list[nn.Module]:
-        return [self.embed, *self.blocks, self.head]
+        tail = [self.transpose] if self.spec.strided else []
+        return [self.embed, *self.blocks, self.head, *tail]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.pipeline_layers():
@@ -90,7 +101,11 @@ class PipeNet(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = self._unpack(batch)
         out = self(x)
-        loss = F.mse_loss(out, y)
+        if self.spec.strided:
+            out = out.transpose(0, 1)  # undo the last layer's transpose: a strided view
+            loss = F.mse_loss(out, y) + out.mean()  # .mean() hands back an expanded (stride-0) gradient
+        else:
+            loss = F.mse_loss(out, y)
         self.log("train_loss", loss, prog_bar=True)
         if self.spec.log_extras:
             self.log("samples", float(len(x)), reduce_fx="sum")

@@ -63,6 +63,13 @@ RUNS[4] += [
     make_run(2, 2, 1, 4, "no_shard", schedule="gpipe"),
 ]
 RUNS[2] += [make_run(2, 1, 3, 8, "full_shard", schedule="depth_first", group=4)]
+# strided tensors at stage boundaries: the last stage is the transposing layer alone, and the loss's
+# gradient is expanded; both must cross the pipeline as dense tensors
+_strided = make_run(2, 1, 2, 4, "full_shard")
+_strided.name = "strided_boundaries"
+_strided.model["strided"] = True
+_strided.strategy["partition"] = [3, 4, 3, 1]
+RUNS[2].append(_strided)
 # the other mesh order: a data-parallel group's ranks are consecutive (kept inside a node)
 _replicas_inner = make_run(2, 2, 2, 4, "full_shard")
 _replicas_inner.name += "_pipeline_data"
