@@ -151,7 +151,7 @@ class Pipeline:
     ) -> StepResult:
         """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch."""
         step = getattr(self.module, step_name)
-        num_microbatches = self._microbatches_for(batch)
+        num_microbatches = self.microbatches_for(batch)
         microbatches = split_microbatches(batch, num_microbatches)
         signature = batch_signature(batch)
         self._check_replicas_agree(signature, num_microbatches)
@@ -197,7 +197,7 @@ class Pipeline:
         active.result.outputs[i] = step_output
         return torch.zeros((), device=self.device)
 
-    def _microbatches_for(self, batch: Any) -> int:
+    def microbatches_for(self, batch: Any) -> int:
         m = self.num_microbatches
         sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0}
         if len(sizes) != 1:

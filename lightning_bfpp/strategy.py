@@ -333,7 +333,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self._zero_grad(trainer, batch_idx)
         tracer = self._start_trace()
         with self.precision_plugin.train_step_context():
-            m = self.pipeline._microbatches_for(batch)
+            m = self.pipeline.microbatches_for(batch)
             result = self.pipeline.run(
                 "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / (m * accumulate), tracer=tracer
             )
