@@ -45,8 +45,8 @@ def load_cluster(cluster: Cluster | str | Path | None, world_size: int, per_node
     return replace(cluster, num_devices=world_size, devices_per_node=per_node)
 
 
-def measure_profile(module: LightningModule, trainer: Trainer, device: torch.device) -> tuple[ModelProfile, int]:
-    """Profile the module on one training batch; returns the profile and the per-replica batch size."""
+def measure_profile(module: LightningModule, trainer: Trainer, device: torch.device) -> ModelProfile:
+    """Profile the module on one training batch (its micro-batch size is the per-replica batch size)."""
     from lightning_bfpp.plan.profile import profile_module
 
     if any(p.is_meta for p in module.parameters()):
@@ -60,10 +60,9 @@ def measure_profile(module: LightningModule, trainer: Trainer, device: torch.dev
     original = next(module.parameters()).device
     module.to(device)
     try:
-        profile = profile_module(module, batch)
+        return profile_module(module, batch)
     finally:
         module.to(original)
-    return profile, profile.microbatch_size
 
 
 def choose(
@@ -79,9 +78,8 @@ def choose(
     box: list[Any] = [None]
     if is_global_zero:
         if profile is None:
-            profile, batch = measure_profile(module, trainer, device)
-        else:
-            batch = profile.microbatch_size
+            profile = measure_profile(module, trainer, device)
+        batch = profile.microbatch_size
         space = SearchSpace(
             schedules=(config.schedule,),
             shardings=(config.sharding,),

@@ -79,7 +79,6 @@ def combine_microbatches(
     grouped: dict[str, list[LoggedValue]] = {}
     for record in records:
         grouped.setdefault(record.name, []).append(record)
-    metric_names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
     specs: list[LogSpec] = []
     values: list[torch.Tensor] = []
     for name, group in grouped.items():
@@ -88,7 +87,7 @@ def combine_microbatches(
         op = reduce_op(options["reduce_fx"], name)
         attribute = None
         if isinstance(first.value, Metric):
-            attribute = options.pop("metric_attribute") or metric_names.get(id(first.value))
+            attribute = options.pop("metric_attribute") or _attribute_of(module, first.value)
             if attribute is None:
                 raise ValueError(
                     f"`self.log({name!r}, metric)`: the metric is not an attribute of the LightningModule;"
@@ -114,6 +113,11 @@ def combine_microbatches(
 
 
 _LOSS_SPEC = LogSpec("<loss>", "mean", ())
+
+
+def _attribute_of(module: LightningModule, metric: Metric) -> str | None:
+    """The metric's attribute name in the module (looked up only when a step logs a metric object)."""
+    return next((name for name, m in module.named_modules() if m is metric), None)
 
 
 class LoggedValueSync:

@@ -15,9 +15,9 @@ import torch
 from lightning_bfpp._compat import tree_flatten, tree_unflatten
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """``num_microbatches`` batches of the same structure, each with ``1/num_microbatches`` of the rows."""
-    leaves, spec = tree_flatten(batch)
+def batch_size(batch: Any) -> int:
+    """The batch dimension shared by every tensor of ``batch``; raises if there is none or they disagree."""
+    leaves, _ = tree_flatten(batch)
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if not sizes:
         raise ValueError("BFPPStrategy: the batch holds no tensor with a batch dimension to split into micro-batches.")
@@ -27,6 +27,13 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
             " every tensor in the batch must have the batch size as dim 0."
         )
     (size,) = sizes
+    return size
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """``num_microbatches`` batches of the same structure, each with ``1/num_microbatches`` of the rows."""
+    size = batch_size(batch)
+    leaves, spec = tree_flatten(batch)
     if size % num_microbatches:
         raise ValueError(
             f"BFPPStrategy: a batch of {size} samples cannot be split into num_microbatches={num_microbatches}"

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_bfpp._compat import tree_flatten
-from lightning_bfpp.microbatch import batch_signature, split_microbatches
+from lightning_bfpp.microbatch import batch_signature, batch_size, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
@@ -149,9 +149,13 @@ class Pipeline:
         loss_scale: float = 1.0,
         tracer: StepTracer | None = None,
     ) -> StepResult:
-        """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch."""
+        """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch.
+
+        ``loss_scale`` multiplies the batch's loss (e.g. ``1 / accumulate_grad_batches``); each micro-batch's
+        loss is further divided by the number of micro-batches, so gradients are the batch mean's.
+        """
         step = getattr(self.module, step_name)
-        num_microbatches = self.microbatches_for(batch)
+        num_microbatches = self._microbatches_for(batch)
         microbatches = split_microbatches(batch, num_microbatches)
         signature = batch_signature(batch)
         self._check_replicas_agree(signature, num_microbatches)
@@ -165,7 +169,8 @@ class Pipeline:
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches
-        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, loss_scale, result)
+        scale = loss_scale / num_microbatches
+        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result)
         self._schedule_in_use = schedule
         targets = [torch.tensor(i) for i in range(num_microbatches)]
         try:
@@ -197,12 +202,9 @@ class Pipeline:
         active.result.outputs[i] = step_output
         return torch.zeros((), device=self.device)
 
-    def microbatches_for(self, batch: Any) -> int:
+    def _microbatches_for(self, batch: Any) -> int:
         m = self.num_microbatches
-        sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0}
-        if len(sizes) != 1:
-            return m  # split_microbatches raises the precise error
-        (size,) = sizes
+        size = batch_size(batch)
         if size % m == 0:
             return m
         usable = max(d for d in range(1, min(m, size) + 1) if size % d == 0)

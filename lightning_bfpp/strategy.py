@@ -333,9 +333,8 @@ class BFPPStrategy(ModelParallelStrategy):
             self._zero_grad(trainer, batch_idx)
         tracer = self._start_trace()
         with self.precision_plugin.train_step_context():
-            m = self.pipeline.microbatches_for(batch)
             result = self.pipeline.run(
-                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / (m * accumulate), tracer=tracer
+                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / accumulate, tracer=tracer
             )
         sync_start = tracer.now() if tracer is not None else 0.0
         lightning_call._call_callback_hooks(trainer, "on_after_backward")

@@ -97,7 +97,7 @@ def _profile_source(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _measure(args: argparse.Namespace) -> ModelProfile:
-    from lightning_bfpp.microbatch import split_microbatches
+    from lightning_bfpp.microbatch import batch_size, split_microbatches
     from lightning_bfpp.plan.profile import profile_module
 
     if not args.datamodule:
@@ -107,8 +107,7 @@ def _measure(args: argparse.Namespace) -> ModelProfile:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     if args.microbatch_size:
-        size = len(batch[0]) if isinstance(batch, (list, tuple)) else len(next(iter(batch.values())))
-        batch = split_microbatches(batch, size // args.microbatch_size)[0]
+        batch = split_microbatches(batch, batch_size(batch) // args.microbatch_size)[0]
     return profile_module(module, batch, repeats=args.repeats)
 
 

@@ -28,6 +28,23 @@ class RunResult:
         return self.ranks[rank]["steps"]
 
 
+PIPELINE_2x2 = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
+
+
+def run_2x2(name: str, *, strategy=None, model=None, trainer=None, checks=(), **kwargs) -> RunSpec:
+    """A run on 4 processes as (p, dp, v, m) = (2, 2, 2, 4), SGD, 8 samples per replica and step."""
+    return RunSpec(
+        name=name,
+        strategy={**PIPELINE_2x2, **(strategy or {})},
+        model={"optimizer": "sgd", **(model or {})},
+        trainer=trainer or {},
+        local_batch_size=8,
+        data_parallel_size=2,
+        checks=list(checks),
+        **kwargs,
+    )
+
+
 def run_worker(runs: list[RunSpec], devices: int, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run ``runs`` one after another in ``devices`` CPU processes; a timeout is reported as a hang."""
     spec_path = workdir / "spec.json"

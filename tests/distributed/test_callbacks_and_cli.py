@@ -12,24 +12,14 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.harness import REPO, assert_params_match, assert_steps_match, launch, run_worker
+from tests.distributed.harness import REPO, assert_params_match, assert_steps_match, launch, run_2x2, run_worker
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-LAYOUT = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
-
 
 def run(name: str, trainer=None, checks=(), model=None) -> RunSpec:
-    return RunSpec(
-        name=name,
-        strategy=LAYOUT,
-        model={"optimizer": "sgd", "lr": 0.05, **(model or {})},
-        trainer=trainer or {},
-        local_batch_size=8,
-        data_parallel_size=2,
-        checks=list(checks),
-    )
+    return run_2x2(name, trainer=trainer, checks=checks, model={"lr": 0.05, **(model or {})})
 
 
 RUNS = {

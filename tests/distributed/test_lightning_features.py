@@ -11,26 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import assert_params_match, assert_steps_match, launch
+from tests.distributed.harness import assert_params_match, assert_steps_match, launch, run_2x2
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 TOL = 1e-5
-LAYOUT = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
-
-
-def run(name: str, *, strategy=None, model=None, trainer=None, checks=(), **kwargs) -> RunSpec:
-    return RunSpec(
-        name=name,
-        strategy={**LAYOUT, **(strategy or {})},
-        model={"optimizer": "sgd", **(model or {})},
-        trainer=trainer or {},
-        local_batch_size=8,
-        data_parallel_size=2,
-        checks=list(checks),
-        **kwargs,
-    )
+run = run_2x2
 
 
 RUNS = {
