@@ -1,20 +1,26 @@
-"""Every private torch and Lightning name lightning_bfpp relies on, in one place.
+"""Every private torch name lightning_bfpp relies on, in one place, importable without Lightning.
 
 torch's pipelining runtime only accepts custom schedules through private names (its own docs call the
-area alpha and say the CSV loader "will most likely get renamed"), and a Lightning strategy that runs
-backward itself must reach a few loop internals. Importing them here, and only here, means a torch or
-Lightning upgrade breaks one file, and ``tests/unit/test_compat.py`` says which name moved. The versions
-in ``pyproject.toml`` are the ones those tests pass on.
+area alpha and say the CSV loader "will most likely get renamed"). Importing and touching them here, and
+only here, means a torch upgrade breaks one file, and ``tests/unit/test_compat.py`` says which name moved
+(it runs a real ``_PipelineScheduleRuntime`` and checks that torch reads what this module writes). The
+versions in ``pyproject.toml`` are the ones those tests pass on.
+
+The engine modules (``runtime``, ``microbatch``, ``sharding``, ``checkpoint``, ``layers``, ``trace``) import
+only this file, so they import without Lightning. Lightning's and torchmetrics' private names live in
+:mod:`lightning_bfpp._lightning_compat`; the few of them still imported from here resolve lazily (see
+:func:`__getattr__`), so that importing this module never imports Lightning.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
 import torch
-from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
-from lightning.fabric.utilities.init import _materialize
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.trainer import call as lightning_call
-from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+import torch.distributed.pipelining.schedules as _torch_schedules
+from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
@@ -35,6 +41,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))
 
+# torch's own functions at import time, to tell whether something replaced them (see runtime_is_hooked)
+_RECORD_FUNCTION, _WAIT_P2P = _torch_schedules.record_function, _torch_schedules._wait_batch_p2p
+
+# The file in a checkpoint folder that holds Lightning's non-tensor state, which its `consolidate_checkpoint`
+# and its model-parallel loaders look for. A literal, so that `checkpoint.py` imports without Lightning;
+# test_compat checks that it equals Lightning's own `lightning.fabric.utilities.load._METADATA_FILENAME`.
+_METADATA_FILENAME = "meta.pt"
+
 
 def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
@@ -51,68 +65,150 @@ def check_torch_version() -> None:
         )
 
 
-def set_skip_backward(trainer: object, value: bool) -> None:
-    """Tell Lightning's automatic optimization not to zero gradients or call backward after the step.
+class PipelineRuntime(PipelineScheduleRuntime):
+    """torch's ``_PipelineScheduleRuntime``, driven only through the methods below.
 
-    The pipeline runs forward and backward inside ``training_step``; Lightning would otherwise zero the
-    gradients right after it (see its ``_AutomaticOptimization`` closure). Lightning's own
-    ``StochasticWeightAveraging`` callback uses the same switch.
+    torch has no public way to run a schedule someone else wrote, so these methods are the private entry
+    points, each named once: :meth:`install_plan` (the action lists), :meth:`run_microbatches` (one step over
+    pre-split micro-batches) and :meth:`metadata_inference` (an override point around torch's first-run shape
+    inference). Subclasses (:class:`lightning_bfpp.runtime.PlannedSchedule`) use no other private name.
     """
-    trainer.fit_loop._skip_backward = value  # type: ignore[attr-defined]
+
+    def install_plan(
+        self, plan: Mapping[int, Sequence[TorchAction]], stage_to_rank: Mapping[int, int], *, backward: bool
+    ) -> None:
+        """Make ``plan`` (every rank's actions, sends and receives included) what each step executes.
+
+        A plan with backward goes through torch's own ``_prepare_schedule_with_comms(format="compute_comms")``,
+        which validates it (each stage on one rank, ``m`` forwards and ``m`` backwards per stage, every
+        backward after its forward) and infers the stage placement from it. torch's validator demands a
+        backward for every forward, so a forward-only plan is stored directly, in the attribute that method
+        fills, with the backward switched off the way torch's own ``eval()`` does. torch's lowering passes
+        (``_add_unshard_reshard``, ``_add_reduce_grad``) are not used; see ``schedule.add_sharding_actions``.
+        """
+        actions = {rank: list(plan[rank]) for rank in plan}
+        if backward:
+            self._prepare_schedule_with_comms(actions, format="compute_comms")  # type: ignore[arg-type]
+        else:
+            self.pipeline_order_with_comms = actions
+            self._has_backward = False
+        if self.stage_index_to_group_rank != dict(stage_to_rank):
+            # torch places stages by the plan (training) or its looped default (forward only); ours must agree,
+            # or sends and receives would go to the wrong ranks
+            raise RuntimeError(
+                f"lightning_bfpp: torch's runtime places stages on ranks {self.stage_index_to_group_rank},"
+                f" the plan on {dict(stage_to_rank)}."
+            )
+
+    @property
+    def stages(self) -> list[Any]:
+        """This rank's ``PipelineStage`` objects, in the order they were given."""
+        return list(self._stages)
+
+    @property
+    def runs_backward(self) -> bool:
+        """Whether a step runs the plan's backward actions (False for a forward-only plan)."""
+        return bool(self._has_backward)
+
+    @contextmanager
+    def metadata_inference(self) -> Iterator[None]:
+        """Wraps torch's stage initialization, which on the first step infers shapes by running the stages on
+        placeholder data. An override point; does nothing here."""
+        yield
+
+    def _initialize_stages(self, *args: Any, **kwargs: Any) -> None:
+        with self.metadata_inference():
+            super()._initialize_stages(*args, **kwargs)
+
+    def run_microbatches(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]] | None,
+        target_mbs: list[torch.Tensor],
+    ) -> None:
+        """Run this rank's action list once over micro-batches the caller split (any structure, not only
+        tensors, unlike torch's ``step``, which splits a batch itself)."""
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+            # torch checks every micro-batch's stage inputs and outputs against the inferred shapes only under
+            # TORCH_DISTRIBUTED_DEBUG=DETAIL; unchecked, an output of another shape reaches the next rank in a
+            # buffer of the inferred shape, partly stale: silently wrong (a forward-only step never notices)
+            stage._runtime_validate = True
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
 
 
-def request_train_dataloader(trainer: object) -> object:
-    """The training DataLoader as the user defined it (before Lightning adds a distributed sampler)."""
-    return _request_dataloader(trainer.fit_loop._data_source)  # type: ignore[attr-defined]
+@contextmanager
+def hooked_runtime(
+    runtime: PipelineScheduleRuntime,
+    *,
+    action_range: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+    p2p_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+    weight_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> Iterator[None]:
+    """For the duration of the block, route three points of torch's runtime through wrappers.
+
+    Each argument receives torch's original and returns its replacement: ``action_range`` wraps the
+    ``record_function("PP:<action>")`` range torch opens around every action, ``p2p_wait`` the wait for a
+    batch of point-to-point transfers, ``weight_wait`` the wait for a stage's weight all-gather
+    (``runtime._assert_unsharded``, on this runtime only). torch offers no callback at these points; the first
+    two are globals of ``torch.distributed.pipelining.schedules`` and are restored when the block ends.
+    """
+    originals = (_torch_schedules.record_function, _torch_schedules._wait_batch_p2p)
+    _torch_schedules.record_function = action_range(originals[0])
+    _torch_schedules._wait_batch_p2p = p2p_wait(originals[1])
+    runtime._assert_unsharded = weight_wait(runtime._assert_unsharded)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _torch_schedules.record_function, _torch_schedules._wait_batch_p2p = originals
+        del runtime._assert_unsharded
 
 
-def prediction_lists(trainer: object) -> list[list[object]]:
-    """The per-dataloader lists ``trainer.predict`` returns (the prediction loop's own, mutable in place)."""
-    return trainer.predict_loop._predictions  # type: ignore[attr-defined]
+def runtime_is_hooked() -> bool:
+    """Whether torch's runtime globals are replaced (tests: tracing hooks only traced steps, then restores)."""
+    return _torch_schedules.record_function is not _RECORD_FUNCTION or _torch_schedules._wait_batch_p2p is not _WAIT_P2P
 
 
-def seen_batch_indices(dataloader: object) -> list[list[int]] | None:
-    """Dataset indices of each batch a prediction dataloader produced (Lightning's index-recording sampler)."""
-    return getattr(getattr(dataloader, "batch_sampler", None), "seen_batch_indices", None)
+@contextmanager
+def instance_attributes(module: nn.Module, **attrs: Any) -> Iterator[None]:
+    """Give one module instance other attributes (e.g. ``forward``, ``log``) for the duration of the block.
+
+    Set with ``object.__setattr__`` because ``nn.Module.__setattr__`` would register a module or parameter
+    value and must not run here; removed from the instance ``__dict__`` afterwards, which uncovers the class's
+    own methods again.
+    """
+    for name, value in attrs.items():
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name in attrs:
+            module.__dict__.pop(name, None)
 
 
-def metric_step_value(metric: object) -> object:
-    """A torchmetrics Metric's value from its last ``forward`` (what Lightning logs per step)."""
-    return metric._forward_cache  # type: ignore[attr-defined]
+def default_store() -> Any:
+    """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
+    from torch.distributed.distributed_c10d import _get_default_store
 
-
-def set_metric_step_value(metric: object, value: object, *, mark_updated: bool) -> None:
-    """Set the per-step value Lightning will log for ``metric``; ``mark_updated`` tells torchmetrics that this
-    rank's (empty) state takes part in ``compute`` on purpose, so it does not warn about a missing update."""
-    metric._forward_cache = value  # type: ignore[attr-defined]
-    if mark_updated:
-        metric._update_count += 1  # type: ignore[attr-defined]
-
-
-def get_skip_backward(trainer: object) -> bool:
-    return bool(trainer.fit_loop._skip_backward)  # type: ignore[attr-defined]
+    return _get_default_store()
 
 
 __all__ = [
     "SUPPORTED_TORCH",
     "_METADATA_FILENAME",
+    "PipelineRuntime",
     "PipelineScheduleRuntime",
     "TorchAction",
     "TorchKind",
-    "_distributed_checkpoint_save",
-    "_materialize",
     "add_send_recv",
     "check_torch_version",
+    "default_store",
     "format_torch_schedule",
-    "get_skip_backward",
-    "lightning_call",
-    "metric_step_value",
-    "prediction_lists",
+    "hooked_runtime",
+    "instance_attributes",
     "replicate",
-    "request_train_dataloader",
-    "seen_batch_indices",
-    "set_metric_step_value",
-    "set_skip_backward",
+    "runtime_is_hooked",
     "torch_version",
     "tree_flatten",
     "tree_unflatten",

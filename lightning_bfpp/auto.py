@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_bfpp._compat import request_train_dataloader
+from lightning_bfpp._lightning_compat import request_train_dataloader
+from lightning_bfpp.agreement import AgreedError
 from lightning_bfpp.config import PipelineConfig
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
@@ -65,6 +66,34 @@ def measure_profile(module: LightningModule, trainer: Trainer, device: torch.dev
         module.to(original)
 
 
+def _choose_here(
+    config: PipelineConfig,
+    module: LightningModule,
+    trainer: Trainer,
+    cluster: Cluster,
+    profile: ModelProfile | None,
+    device: torch.device,
+) -> tuple[Candidate, str] | Exception:
+    if profile is None:
+        profile = measure_profile(module, trainer, device)
+    batch = profile.microbatch_size
+    space = SearchSpace(
+        schedules=(config.schedule,),
+        shardings=(config.sharding,),
+        mesh_orders=(config.mesh_order,),
+        stages_per_rank=(1, 2, 4, 8) if config.stages_per_rank == "auto" else (config.stages_per_rank,),
+        num_microbatches=None if config.num_microbatches == "auto" else (config.num_microbatches,),
+    )
+    candidates = search_per_replica_batch(profile, cluster, batch, space)
+    feasible = [c for c in candidates if c.infeasible is None]
+    if not feasible:
+        return RuntimeError(
+            "BFPPStrategy(pipeline_parallel_size='auto'): no configuration fits; the planner says:\n"
+            + format_table(candidates, top=0, infeasible=10)
+        )
+    return feasible[0], format_table(candidates, top=5, infeasible=3)
+
+
 def choose(
     config: PipelineConfig,
     module: LightningModule,
@@ -77,26 +106,14 @@ def choose(
     """The fastest layout, decided on global rank 0 and identical on every rank, with the table behind it."""
     box: list[Any] = [None]
     if is_global_zero:
-        if profile is None:
-            profile = measure_profile(module, trainer, device)
-        batch = profile.microbatch_size
-        space = SearchSpace(
-            schedules=(config.schedule,),
-            shardings=(config.sharding,),
-            mesh_orders=(config.mesh_order,),
-            stages_per_rank=(1, 2, 4, 8) if config.stages_per_rank == "auto" else (config.stages_per_rank,),
-            num_microbatches=None if config.num_microbatches == "auto" else (config.num_microbatches,),
-        )
-        candidates = search_per_replica_batch(profile, cluster, batch, space)
-        feasible = [c for c in candidates if c.infeasible is None]
-        if not feasible:
+        try:
+            box[0] = _choose_here(config, module, trainer, cluster, profile, device)
+        except Exception as error:  # measured and planned on rank 0 only: share the failure, never hang
             box[0] = RuntimeError(
-                "BFPPStrategy(pipeline_parallel_size='auto'): no configuration fits; the planner says:\n"
-                + format_table(candidates, top=0, infeasible=10)
+                f"BFPPStrategy(pipeline_parallel_size='auto'): planning on global rank 0 failed:"
+                f" {type(error).__name__}: {error}"
             )
-        else:
-            box[0] = (feasible[0], format_table(candidates, top=5, infeasible=3))
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
-        raise box[0]
+        raise AgreedError(str(box[0]))
     return box[0]

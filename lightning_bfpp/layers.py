@@ -16,8 +16,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_bfpp._compat import _materialize
-
 _CONTRACT = (
     "Define `pipeline_layers(self)` on your LightningModule returning the ordered list of submodules whose"
     " composition is `forward`, e.g. `return [self.embed, *self.blocks, self.head]`."
@@ -107,10 +105,19 @@ class StageModule(nn.Module):
     and gradients leaving a stage are made dense (see :func:`_contiguous`).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], stage_index: int) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        stage_index: int,
+        *,
+        names: Sequence[str] | None = None,
+        is_last: bool = False,
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.stage_index = stage_index
+        self.last_layer_name = names[-1] if names else f"{len(layers) - 1} of stage {stage_index}"
+        self.is_last = is_last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stage_index == 0:
@@ -121,7 +128,21 @@ class StageModule(nn.Module):
             x = self.layers[0](received)
         for layer in self.layers[1:]:
             x = layer(x)
+        if not self.is_last:
+            self._check_sendable(x)
         return _contiguous(x, gradients=False)
+
+    def _check_sendable(self, x: Any) -> None:
+        tensors = isinstance(x, torch.Tensor) or (
+            isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
+        )
+        if not tensors:
+            raise TypeError(
+                f"BFPPStrategy: pipeline layer `{self.last_layer_name}`, the last of stage {self.stage_index},"
+                f" returned {'None' if x is None else 'a ' + type(x).__name__}. A stage's output is sent to the next"
+                " pipeline rank and must be a tensor or a tuple of tensors: return those (e.g. `out['hidden']`),"
+                " and pass anything else the next layers need as a tensor too."
+            )
 
 
 def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -166,7 +187,17 @@ def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
             f"BFPPStrategy: `pipeline_layers()` lists `{inner}` inside `{outer}`; list the outer module or its"
             " parts, not both."
         )
+    again = getter()
+    again = list(again) if isinstance(again, Iterable) and not isinstance(again, nn.Module) else [again]
+    if [id(layer) for layer in again] != [id(layer) for _, layer in named]:
+        raise ValueError(
+            f"BFPPStrategy: `pipeline_layers()` returned different layers on two calls ({len(named)} then"
+            f" {len(again)}). It is called more than once (to partition the model and to check it), so it must"
+            " return the same modules in the same order every time, e.g. build the list from attributes set in"
+            " `__init__` rather than from state that changes."
+        )
     _check_parameters(module, named)
+    check_no_aliases(module, named)
     return named
 
 
@@ -190,6 +221,42 @@ def _check_parameters(module: nn.Module, named: Sequence[tuple[str, nn.Module]])
         )
 
 
+def check_no_aliases(module: nn.Module, named: Sequence[tuple[str, nn.Module]]) -> None:
+    """Refuse a pipeline layer's parameters reachable under a name outside that layer.
+
+    An alias such as ``self.head = self.blocks[-1]`` (or a bare ``self.w = self.blocks[0].up.weight``) would
+    survive the swap of a remote layer for :class:`RemoteLayer`: the rank would keep, checkpoint and optimize
+    parameters another rank owns. Checked here, before partitioning and from the module alone, so every rank
+    raises the same error at the same point; found only after the swap, only the ranks not holding the
+    layer would raise, and the owner would wait for them in its next collective. Buffers may be shared (a
+    rotary-embedding table used by every block is common, and a rank keeping a copy is harmless).
+    """
+    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (its layer, its name inside the module)
+    for layer_name, layer in named:
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            owner.setdefault(id(param), (layer_name, f"{layer_name}.{name}"))
+    for name, param in module.named_parameters(remove_duplicate=False):
+        layer_name, canonical = owner.get(id(param), (None, name))
+        if layer_name is None or name == canonical or name.startswith(layer_name + "."):
+            continue
+        alias, original = _differing_prefixes(name, canonical)
+        raise ValueError(
+            f"BFPPStrategy: `{alias}` is another name for `{original}` of pipeline layer `{layer_name}` (an"
+            " alias such as `self.head = self.blocks[-1]`). Each pipeline rank keeps only its own layers, so a"
+            " layer's parameters must be reachable under one name only: remove the attribute (or make it a"
+            " property that returns the layer)."
+        )
+
+
+def _differing_prefixes(alias: str, canonical: str) -> tuple[str, str]:
+    """``("last.0.weight", "blocks.3.0.weight")`` -> ``("last", "blocks.3")``: the names of the aliased object."""
+    a, c = alias.split("."), canonical.split(".")
+    while len(a) > 1 and len(c) > 1 and a[-1] == c[-1]:
+        a.pop()
+        c.pop()
+    return ".".join(a), ".".join(c)
+
+
 def layer_weights(named: Sequence[tuple[str, nn.Module]]) -> list[int]:
     """Parameter count per layer; works on meta-device modules too."""
     return [sum(p.numel() for p in layer.parameters()) for _, layer in named]
@@ -205,7 +272,8 @@ def keep_local_layers(
     """Replace other ranks' layers by :class:`RemoteLayer`, materialize and place the local ones.
 
     Returns the local layers by name. Raises if a replaced layer's parameters are still reachable from the
-    module (an alias such as ``self.head = self.blocks[-1]``), since the rank would then keep them.
+    module, since the rank would then keep them: a backstop, as :func:`check_no_aliases` refuses such aliases
+    on every rank in :func:`pipeline_layers`, before this runs.
     """
     local: dict[str, nn.Module] = {}
     remote_params: set[int] = set()
@@ -232,6 +300,20 @@ def _materialize_meta(layer: nn.Module, device: torch.device) -> None:
     for sub in layer.modules():
         if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
             _materialize(sub, device)
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device module's own tensors on ``device`` and initialize them with its
+    ``reset_parameters()``: the contract of Lightning's ``init_module(empty_init=True)``, written with torch's
+    public API so that this module does not need Lightning."""
+    module.to_empty(device=device, recurse=False)
+    if not callable(getattr(module, "reset_parameters", None)):
+        raise TypeError(
+            f"BFPPStrategy: `{type(module).__name__}` was created on the meta device and has no `reset_parameters()`"
+            " method to initialize its parameters and buffers; add one (as torch's built-in layers have), or"
+            " create the model without `empty_init=True`."
+        )
+    module.reset_parameters()
 
 
 def materialize_remaining(module: nn.Module, device: torch.device) -> None:

@@ -8,9 +8,10 @@ every rank in the same order. Every logger, the progress bar and every monitorin
 single-device value of the global batch, on every rank, and no rank waits for a collective another rank
 never starts.
 
-Per step this costs a broadcast of a small header and of the values over the pipeline group, plus one
-all-reduce per reduction kind over the data-parallel group; the names themselves are sent only when they
-change.
+Per step this costs a broadcast of a small header and of the values over the pipeline group, plus a small
+all-reduce (failures and the names' digest) and one all-gather of the values over the data-parallel group;
+the names themselves are sent only when they change. It is also where a step that failed on the last stage
+is raised on every rank (see :mod:`lightning_bfpp.agreement`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-from lightning_bfpp._compat import set_metric_step_value
+from lightning_bfpp._lightning_compat import set_metric_step_value
+from lightning_bfpp.agreement import AgreedError, StepFailure, raise_agreed
 from lightning_bfpp.user_step import LoggedValue
 
 _REDUCE_OPS: dict[Any, str] = {
@@ -39,7 +41,6 @@ _REDUCE_OPS: dict[Any, str] = {
     "min": "min",
     torch.min: "min",
 }
-_DIST_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,11 @@ def _attribute_of(module: LightningModule, metric: Metric) -> str | None:
 
 
 class LoggedValueSync:
-    """Moves combined values from the pipeline's last rank to all ranks and reduces them over replicas."""
+    """Moves combined values from the pipeline's last rank to all ranks and reduces them over replicas.
+
+    It is also the point after the schedule where every rank meets: a step that failed on a last-stage rank
+    (its loss, logging or metric code) is raised here on every rank, with that rank's message.
+    """
 
     def __init__(
         self,
@@ -138,61 +143,92 @@ class LoggedValueSync:
         self._digest = -1
 
     def share(
-        self, specs: list[LogSpec] | None, values: torch.Tensor | None, loss: torch.Tensor | None
+        self,
+        specs: list[LogSpec] | None,
+        values: torch.Tensor | None,
+        loss: torch.Tensor | None,
+        failure: StepFailure,
+        step_name: str,
     ) -> tuple[list[LogSpec], torch.Tensor, torch.Tensor]:
         """Every rank gets the specs, the values and the step loss, reduced over data-parallel replicas.
 
-        The last pipeline rank passes what it combined; the other ranks pass ``None``. The loss is averaged
-        over replicas like a logged mean, so the returned loss is the global batch's.
+        The last pipeline rank passes what it combined (or a ``failure``); the other ranks pass ``None``. The
+        loss is averaged over replicas like a logged mean, so the returned loss is the global batch's.
         """
         packed = None
         if specs is not None:
             assert values is not None and loss is not None
             specs = [*specs, _LOSS_SPEC]
             packed = torch.cat([values.float().cpu(), loss.detach().float().cpu().reshape(1)])
+        code = failure.code
         if self._pp_group is not None:
-            specs, packed = self._broadcast(specs, packed)
+            specs, packed, code = self._broadcast(specs, packed, code)
+        digest = self._digest if self._pp_group is not None else zlib.crc32(repr(specs).encode())
+        if self._dp_group is not None:
+            flags = torch.tensor([code, digest, -digest], dtype=torch.int64, device=self._device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
+            code, high, low = (int(v) for v in flags.tolist())
+            if not code and high != -low:
+                raise AgreedError(
+                    f"BFPPStrategy: data-parallel replicas logged different names or reductions in the same"
+                    f" `{step_name}` ({self._describe(specs)} here). Log the same names with the same options on"
+                    " every batch (e.g. log a value as NaN rather than skipping the call)."
+                )
+        if code:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if world == 1:
+                assert failure.error is not None
+                raise failure.error
+            raise_agreed(f"`{step_name}`", code, failure, None, self._device)
         assert specs is not None and packed is not None
         packed = packed.to(self._device)
         if self._dp_group is not None:
             packed = self._reduce(specs, packed)
         return specs[:-1], packed[:-1], packed[-1]
 
+    @staticmethod
+    def _describe(specs: Sequence[LogSpec] | None) -> str:
+        return ", ".join(f"{s.name} ({s.op})" for s in specs or () if s is not _LOSS_SPEC) or "nothing logged"
+
     def _broadcast(
-        self, specs: list[LogSpec] | None, values: torch.Tensor | None
-    ) -> tuple[list[LogSpec], torch.Tensor]:
-        is_src = specs is not None
-        header = torch.zeros(2, dtype=torch.int64, device=self._device)
+        self, specs: list[LogSpec] | None, values: torch.Tensor | None, code: int
+    ) -> tuple[list[LogSpec] | None, torch.Tensor | None, int]:
+        is_src = specs is not None or code != 0
+        header = torch.zeros(3, dtype=torch.int64, device=self._device)
         if is_src:
-            assert values is not None
-            header[0] = zlib.crc32(repr(specs).encode())
-            header[1] = values.numel()
+            header[2] = code
+            if specs is not None:
+                assert values is not None
+                header[0] = zlib.crc32(repr(specs).encode())
+                header[1] = values.numel()
         dist.broadcast(header, group=self._pp_group, group_src=self._src)
-        digest, count = int(header[0]), int(header[1])
+        digest, count, code = (int(v) for v in header.tolist())
+        if code:
+            return None, None, code
         if digest != self._digest:
             box: list[Any] = [specs]
             dist.broadcast_object_list(box, group=self._pp_group, group_src=self._src, device=self._device)
             self._specs, self._digest = box[0], digest
-        if not is_src:
+        if specs is None:
             values = torch.zeros(count, dtype=torch.float32, device=self._device)
         assert values is not None
         values = values.to(device=self._device, dtype=torch.float32).contiguous()
         dist.broadcast(values, group=self._pp_group, group_src=self._src)
-        return self._specs, values
+        return self._specs, values, 0
 
     def _reduce(self, specs: Sequence[LogSpec], values: torch.Tensor) -> torch.Tensor:
-        values = values.clone()
+        """Reduce every value over the replicas with its own op, in one all-gather."""
         size = dist.get_world_size(self._dp_group)
-        for op in ("mean", "sum", "max", "min"):
+        gathered = torch.empty(size * values.numel(), dtype=values.dtype, device=values.device)
+        dist.all_gather_into_tensor(gathered, values.contiguous(), group=self._dp_group)
+        per_replica = gathered.view(size, values.numel())
+        reduce = {"mean": torch.mean, "sum": torch.sum, "max": torch.amax, "min": torch.amin}
+        reduced = values.clone()
+        for op, fn in reduce.items():
             index = [i for i, s in enumerate(specs) if s.op == op]
-            if not index:
-                continue
-            part = values[index].contiguous()
-            dist.all_reduce(part, op=_DIST_OPS[op], group=self._dp_group)
-            if op == "mean":
-                part /= size
-            values[index] = part
-        return values
+            if index:
+                reduced[index] = fn(per_replica[:, index], dim=0)
+        return reduced
 
 
 def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tensor, *, metric_updated: bool) -> None:

@@ -30,23 +30,70 @@ def batch_size(batch: Any) -> int:
     return size
 
 
+def microbatch_count(size: int, num_microbatches: int, *, last_batch: bool = False) -> int:
+    """The number of equal micro-batches a batch of ``size`` samples runs as.
+
+    ``num_microbatches`` when it divides ``size``. A loader's smaller last batch runs as the largest count
+    below ``num_microbatches`` that divides it (exact, only less pipelined). Any other batch is refused: the
+    micro-batch count decides the schedule and the loss weighting, and must not change silently.
+    """
+    if size % num_microbatches == 0:
+        return num_microbatches
+    if last_batch:
+        return max(d for d in range(1, min(num_microbatches, size) + 1) if size % d == 0)
+    if size < num_microbatches:
+        raise ValueError(
+            f"BFPPStrategy: a batch of {size} samples is smaller than num_microbatches={num_microbatches}: every"
+            " micro-batch needs at least one sample. Use a per-device batch size of at least"
+            f" {num_microbatches} (a multiple of it), or num_microbatches <= {size}."
+        )
+    valid_counts = [d for d in range(1, size + 1) if size % d == 0]
+    lower = size - size % num_microbatches
+    sizes = ", ".join(str(b) for b in (lower, lower + num_microbatches) if b > 0)
+    raise ValueError(
+        f"BFPPStrategy: a batch of {size} samples cannot be split into num_microbatches={num_microbatches} equal"
+        f" micro-batches. Use a per-device batch size divisible by {num_microbatches} (e.g. {sizes}), or a"
+        f" num_microbatches that divides {size} (one of {valid_counts}). Only a loader's last batch may be"
+        " smaller; it then runs with fewer micro-batches."
+    )
+
+
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """``num_microbatches`` batches of the same structure, each with ``1/num_microbatches`` of the rows."""
+    """``num_microbatches`` batches of the same structure, each with ``1/num_microbatches`` of the rows.
+
+    Tensors are cut along dim 0; so is a list of plain values as long as the batch (what a DataLoader's
+    default collate makes of strings: one per sample), so each micro-batch keeps its own samples' values.
+    Other values (numbers, 0-d tensors, shorter lists) reach every micro-batch unchanged.
+    """
     size = batch_size(batch)
-    leaves, spec = tree_flatten(batch)
     if size % num_microbatches:
         raise ValueError(
             f"BFPPStrategy: a batch of {size} samples cannot be split into num_microbatches={num_microbatches}"
             " equal micro-batches. Use a per-device batch size divisible by num_microbatches, and"
             " `drop_last=True` in the DataLoader so the last batch is not smaller."
         )
-    parts = [
-        leaf.chunk(num_microbatches) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None for leaf in leaves
-    ]
+    leaves, spec = tree_flatten(batch, is_leaf=lambda node: _is_per_sample_list(node, size))
+    step = size // num_microbatches
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            parts.append(leaf.chunk(num_microbatches))
+        elif _is_per_sample_list(leaf, size):
+            parts.append([leaf[i * step : (i + 1) * step] for i in range(num_microbatches)])
+        else:
+            parts.append(None)
     return [
         tree_unflatten([leaf if part is None else part[i] for leaf, part in zip(leaves, parts, strict=True)], spec)
         for i in range(num_microbatches)
     ]
+
+
+def _is_per_sample_list(node: Any, size: int) -> bool:
+    return (
+        isinstance(node, list)
+        and len(node) == size
+        and all(isinstance(item, (str, bytes, int, float, bool)) or item is None for item in node)
+    )
 
 
 def batch_signature(batch: Any) -> tuple[Any, ...]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,15 +22,25 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torchmetrics import Metric
 
 from lightning_bfpp._compat import tree_flatten
-from lightning_bfpp.microbatch import batch_signature, batch_size, split_microbatches
+from lightning_bfpp.agreement import AgreedError, StepFailure, raise_agreed, rank_name
+from lightning_bfpp.microbatch import batch_signature, batch_size, microbatch_count, split_microbatches
 from lightning_bfpp.partition import StagePlan
+from lightning_bfpp.random_state import derive_seed, forked_random_state
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
 from lightning_bfpp.trace import StepTracer
-from lightning_bfpp.user_step import LogRecorder, capture_model_input, model_returns, step_loss
+from lightning_bfpp.user_step import (
+    LogRecorder,
+    capture_model_input,
+    check_model_called,
+    metrics_refuse_sync,
+    model_returns,
+    step_loss,
+)
 
 _MAX_CACHED_SCHEDULES = 8
 
@@ -44,6 +54,7 @@ class StepResult:
     recorder: LogRecorder = field(default_factory=LogRecorder)
     num_microbatches: int = 0
     step_name: str = ""
+    failure: StepFailure = field(default_factory=StepFailure)  # the user's step failed here (last stage)
 
 
 @dataclass
@@ -55,6 +66,7 @@ class _ActiveStep:
     train: bool
     loss_scale: float
     result: StepResult
+    seeds: list[int]
 
 
 class Pipeline:
@@ -72,6 +84,7 @@ class Pipeline:
         sharding: str,
         num_microbatches: int,
         microbatch_group_size: int | None = None,
+        base_seed: int = 0,
     ) -> None:
         self.module = module
         self.plan = stage_plan
@@ -87,10 +100,18 @@ class Pipeline:
         self.holds_first_stage = 0 in self.local_stages
         self.holds_last_stage = stage_plan.num_stages - 1 in self.local_stages
         self.data_parallel_size = mesh[DATA_PARALLEL].size()
+        self.data_parallel_rank = mesh[DATA_PARALLEL].get_local_rank()
+        self.rank_label = rank_name(pipeline_rank=self.pipeline_rank, data_parallel_rank=self.data_parallel_rank)
+        # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.random_state)
+        self.base_seed = base_seed
+        # the module's torchmetrics: restored after input capture, and refused to sync inside a step
+        self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        # True while the user's step code runs here; collectives called then are refused (see user_step)
+        self.running_user_code = False
         self._schedules: dict[tuple[Any, ...], PlannedSchedule] = {}
         self._active: _ActiveStep | None = None
         self._schedule_in_use: PlannedSchedule | None = None
-        self._warned_microbatches: set[int] = set()
+        self._warned_microbatches: set[tuple[int, int]] = set()
 
     # -- plans -------------------------------------------------------------------------------------
 
@@ -148,29 +169,52 @@ class Pipeline:
         train: bool,
         loss_scale: float = 1.0,
         tracer: StepTracer | None = None,
+        step_key: Sequence[int] = (),
+        last_batch: bool = False,
     ) -> StepResult:
         """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch.
 
         ``loss_scale`` multiplies the batch's loss (e.g. ``1 / accumulate_grad_batches``); each micro-batch's
         loss is further divided by the number of micro-batches, so gradients are the batch mean's.
+        ``step_key`` says where the step is (e.g. epoch and batch index): with the micro-batch index and the
+        data-parallel rank it seeds the step's random draws, identically on the first and the last stage.
+        ``last_batch`` marks the loader's last batch, which may be smaller (see :func:`microbatch_count`).
+
+        An error in the user's code on some ranks (input capture on the first stage, the loss and logging on
+        the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet:
+        before the schedule for the capture, in the logged-value sync after it for the rest.
         """
         step = getattr(self.module, step_name)
-        num_microbatches = self._microbatches_for(batch)
-        microbatches = split_microbatches(batch, num_microbatches)
-        signature = batch_signature(batch)
-        self._check_replicas_agree(signature, num_microbatches)
-        schedule = self._schedule_for(train, num_microbatches, signature)
+        failure = StepFailure()
+        num_microbatches, microbatches, signature = 0, [], None
+        seeds: list[int] = []
         arg_mbs = kwarg_mbs = None
-        if self.holds_first_stage:
-            captured = [capture_model_input(self.module, step, step_name, mb, *step_args) for mb in microbatches]
-            arg_mbs = [args for args, _ in captured]
-            kwarg_mbs = [kwargs for _, kwargs in captured]
+        try:
+            num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
+            microbatches = split_microbatches(batch, num_microbatches)
+            signature = batch_signature(batch)
+            seeds = [
+                derive_seed(self.base_seed, (*step_key, self.data_parallel_rank, i)) for i in range(num_microbatches)
+            ]
+            if self.holds_first_stage:
+                captured = []
+                for i, mb in enumerate(microbatches):
+                    with self.user_code(seeds[i]):
+                        captured.append(
+                            capture_model_input(self.module, step, step_name, mb, *step_args, metrics=self.metrics)
+                        )
+                arg_mbs = [args for args, _ in captured]
+                kwarg_mbs = [kwargs for _, kwargs in captured]
+        except Exception as error:
+            failure.record(error, self.rank_label)
+        self._agree_before_schedule(step_name, signature, num_microbatches, failure)
+        schedule = self._schedule_for(train, num_microbatches, signature)
         result = StepResult(num_microbatches=num_microbatches, step_name=step_name)
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches
         scale = loss_scale / num_microbatches
-        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result)
+        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result, seeds)
         self._schedule_in_use = schedule
         targets = [torch.tensor(i) for i in range(num_microbatches)]
         try:
@@ -180,6 +224,16 @@ class Pipeline:
             self._active = None
         return result
 
+    @contextmanager
+    def user_code(self, seed: int) -> Iterator[None]:
+        """Where the user's step code runs: forked random state, collectives refused."""
+        with ExitStack() as stack:
+            stack.enter_context(forked_random_state(seed, self.device))
+            stack.enter_context(metrics_refuse_sync(self.metrics))
+            self.running_user_code = True
+            stack.callback(setattr, self, "running_user_code", False)
+            yield
+
     def _loss_fn(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
         assert self._schedule_in_use is not None
         if self._schedule_in_use.inferring_metadata:
@@ -187,53 +241,71 @@ class Pipeline:
             return _placeholder_loss(output)
         active = self._active
         assert active is not None
+        failure = active.result.failure
+        if failure.error is not None:
+            return _placeholder_loss(output)  # the step already failed here; finish the schedule, then raise
         i = int(microbatch_index)
-        with model_returns(self.module, output) as model_was_called, active.result.recorder.recording(self.module):
-            step_output = active.step(active.microbatches[i], *active.step_args)
-        if not model_was_called():
-            raise RuntimeError(
-                f"BFPPStrategy: `{active.step_name}` did not call `self(...)` on the last pipeline stage; its"
-                " result must come from the pipeline's output, which `self(...)` returns."
-            )
-        if active.train:
+        try:
+            with (
+                self.user_code(active.seeds[i]),
+                model_returns(self.module, output) as calls,
+                active.result.recorder.recording(self.module),
+            ):
+                step_output = active.step(active.microbatches[i], *active.step_args)
+            check_model_called(calls(), active.step_name)
+            if not active.train:
+                active.result.outputs[i] = step_output
+                return torch.zeros((), device=self.device)
             loss = step_loss(step_output, active.step_name)
-            active.result.losses[i] = loss.detach()
-            return loss * active.loss_scale
-        active.result.outputs[i] = step_output
-        return torch.zeros((), device=self.device)
+        except Exception as error:
+            # raising here would leave the other ranks waiting for this stage's gradients: let the schedule
+            # finish on a zero loss, and raise on every rank once they meet (see logged_values.LoggedValueSync)
+            failure.record(error, self.rank_label)
+            return _placeholder_loss(output)
+        active.result.losses[i] = loss.detach()
+        return loss * active.loss_scale
 
-    def _microbatches_for(self, batch: Any) -> int:
-        m = self.num_microbatches
+    def microbatches_for(self, batch: Any, *, last_batch: bool = False, step_name: str = "training_step") -> int:
+        """How many micro-batches this batch is split into: ``num_microbatches``, except for a smaller last batch."""
         size = batch_size(batch)
-        if size % m == 0:
-            return m
-        usable = max(d for d in range(1, min(m, size) + 1) if size % d == 0)
-        if usable not in self._warned_microbatches:
-            self._warned_microbatches.add(usable)
+        count = microbatch_count(size, self.num_microbatches, last_batch=last_batch)
+        if count != self.num_microbatches and (size, count) not in self._warned_microbatches:
+            self._warned_microbatches.add((size, count))
             warnings.warn(
-                f"BFPPStrategy: a batch of {size} samples is not divisible by num_microbatches={m}; running it"
-                f" as {usable} micro-batches of {size // usable}. The result is exact, but the pipeline"
-                " is less busy; use batch sizes divisible by num_microbatches (and drop_last=True).",
+                f"BFPPStrategy: the last batch of the {step_name.replace('_step', '')} loader has {size} samples,"
+                f" which num_microbatches={self.num_microbatches} does not divide; it runs as {count} micro-batches"
+                f" of {size // count}. The result is exact, only the pipeline is less busy for this batch"
+                " (`drop_last=True` in the DataLoader avoids it).",
                 stacklevel=2,
             )
-        return usable
+        return count
 
-    def _check_replicas_agree(self, signature: Any, num_microbatches: int) -> None:
-        """Raise on every rank if data-parallel replicas got batches of different shapes this step.
+    def _agree_before_schedule(
+        self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure
+    ) -> None:
+        """One all-reduce over all ranks before the schedule: did the input capture (or the batch) fail anywhere,
+        and do all ranks run the same batch shape and micro-batch count?
 
-        Replicas building their stages for different shapes would issue different collectives and hang;
-        one all-reduce of a digest per step turns that into an error.
+        Ranks building their stages for different shapes would issue different transfers and hang; a capture
+        error on the first stage would leave every other rank waiting for its activations.
         """
-        if self.data_parallel_size == 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            if failure.error is not None:
+                raise failure.error
             return
         digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.mesh[DATA_PARALLEL].get_group())
-        if int(both[0]) != -int(both[1]):
-            raise RuntimeError(
-                "BFPPStrategy: data-parallel replicas received batches of different shapes in the same step."
-                " Every replica must see the same batch shapes (same batch size and, for sequences, the same"
-                f" padded length); this rank's batch is {signature[1]}."
+        flags = torch.tensor([failure.code, digest, -digest], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        code, high, low = (int(v) for v in flags.tolist())
+        if code:
+            raise_agreed(f"`{step_name}` before `self(...)`", code, failure, None, self.device)
+        if high != -low:
+            shape = signature[1] if signature is not None else None
+            raise AgreedError(
+                f"BFPPStrategy: ranks received batches of different shapes in the same `{step_name}`. Every"
+                " data-parallel replica must see the same batch shapes (same batch size and, for sequences, the"
+                f" same padded length); {self.rank_label} got {shape} in {num_microbatches} micro-batches."
             )
 
 

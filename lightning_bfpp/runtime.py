@@ -11,7 +11,8 @@ gradients accumulated over earlier steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_bfpp._compat import PipelineScheduleRuntime, TorchAction, TorchKind, add_send_recv
+from lightning_bfpp._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv
 from lightning_bfpp.partition import stage_rank
 from lightning_bfpp.schedule import Action, Kind
 
@@ -50,7 +51,7 @@ def build_stages(
     ]
 
 
-class PlannedSchedule(PipelineScheduleRuntime):
+class PlannedSchedule(PipelineRuntime):
     """torch's pipeline runtime driven by a lowered lightning_bfpp schedule.
 
     ``loss_fn(output, microbatch_index)`` is called on the last stage for every micro-batch; while torch
@@ -71,24 +72,20 @@ class PlannedSchedule(PipelineScheduleRuntime):
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         num_stages = stages[0].num_stages
         mapping = {s: stage_rank(s, pipeline_parallel_size) for s in range(num_stages)}
-        self.stage_index_to_group_rank = mapping
-        for stage in stages:
-            stage.stage_index_to_group_rank = mapping
         lowered = {rank: [to_torch_action(a) for a in actions] for rank, actions in schedule.items()}
-        self.pipeline_order = {r: [a for a in acts if a.is_compute_op] for r, acts in lowered.items()}
-        self.pipeline_order_with_comms = add_send_recv(
-            lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages
-        )
-        self._has_backward = backward
+        # torch adds the sends and receives; the data-parallel actions stay where our lowering put them
+        with_comms = add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages)
+        self.install_plan(with_comms, mapping, backward=backward)
         self.inferring_metadata = False
 
-    def _initialize_stages(self, *args: Any, **kwargs: Any) -> None:
+    @contextmanager
+    def metadata_inference(self) -> Iterator[None]:
         # torch's shape inference ends by setting every FSDP parameter's .grad to None; keep what earlier
         # steps of a gradient-accumulation window accumulated.
-        grads = {p: p.grad for stage in self._stages for p in stage.submod.parameters() if p.grad is not None}
+        grads = {p: p.grad for stage in self.stages for p in stage.submod.parameters() if p.grad is not None}
         self.inferring_metadata = True
         try:
-            super()._initialize_stages(*args, **kwargs)
+            yield
         finally:
             self.inferring_metadata = False
         for param, grad in grads.items():
@@ -101,7 +98,4 @@ class PlannedSchedule(PipelineScheduleRuntime):
         target_mbs: list[torch.Tensor],
     ) -> None:
         """Run every action of this rank's list once over the given micro-batches."""
-        for stage in self._stages:
-            stage.has_backward = self._has_backward
-            stage.clear_runtime_states()
-        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+        self.run_microbatches(arg_mbs, kwarg_mbs, target_mbs)

@@ -25,23 +25,23 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import StochasticWeightAveraging
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_bfpp import _compat, auto, clipping
+from lightning_bfpp import _lightning_compat as lc
 from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp import trace as trace_io
-from lightning_bfpp._compat import lightning_call
+from lightning_bfpp.agreement import AgreedError, agree, agree_on_failure
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
+from lightning_bfpp.failures import FailureWatchdog
 from lightning_bfpp.layers import (
     Recompute,
     StageModule,
@@ -59,9 +59,12 @@ from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
 from lightning_bfpp.trace import StepTracer
+from lightning_bfpp.user_step import collective_refusal
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+_WATCHDOGS_STARTED = 0
 
 
 class BFPPStrategy(ModelParallelStrategy):
@@ -100,6 +103,9 @@ class BFPPStrategy(ModelParallelStrategy):
         trace: a folder to write timelines of the first ``trace_steps`` training steps to: per step a Chrome
             trace (open it in Perfetto), a PNG with one row per rank, and a per-rank summary (busy, bubble,
             communication). Off (``None``) by default, and then nothing is recorded.
+        failure_timeout: seconds after which a process that stopped responding (killed, lost) is declared
+            dead and every other process stops; an exception on one process stops the others within about a
+            second whatever this is (see :mod:`lightning_bfpp.failures`). ``None``: only react to exceptions.
         process_group_backend: as for other Lightning strategies (default: gloo on CPU, nccl on CUDA).
         timeout: process-group timeout.
     """
@@ -122,6 +128,7 @@ class BFPPStrategy(ModelParallelStrategy):
         trace_steps: int = 4,
         cluster: Cluster | str | Path | None = None,
         plan_profile: ModelProfile | str | Path | None = None,
+        failure_timeout: float | None = 30.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -140,6 +147,15 @@ class BFPPStrategy(ModelParallelStrategy):
         self._recompute = recompute_policy(activation_checkpointing)
         if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:
             raise ValueError(f"BFPPStrategy: `trace_steps` must be a positive int, got {trace_steps!r}.")
+        if failure_timeout is not None and (
+            isinstance(failure_timeout, bool) or not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0
+        ):
+            raise ValueError(
+                "BFPPStrategy: `failure_timeout` must be a positive number of seconds or None, got"
+                f" {failure_timeout!r}."
+            )
+        self.failure_timeout = failure_timeout
+        self._watchdog: FailureWatchdog | None = None
         self._plan_cluster = cluster
         self._plan_profile = plan_profile
         self.trace_dir = Path(trace) if trace is not None else None
@@ -159,13 +175,13 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
+        return stored if (stored := lc.stored_precision_plugin(self)) is not None else Precision()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None:
             _check_precision(plugin)
-        self._precision_plugin = plugin
+        lc.store_precision_plugin(self, plugin)
 
     # -- processes and mesh ------------------------------------------------------------------------
 
@@ -176,14 +192,34 @@ class BFPPStrategy(ModelParallelStrategy):
         planned = self.config.pipeline_parallel_size == "auto"
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, max(self.num_processes, 1))
-        self._setup_distributed()
+        lc.setup_distributed(self)
+        self._start_watchdog()
         if not planned:
             self._build_device_mesh()
 
+    def _start_watchdog(self) -> None:
+        global _WATCHDOGS_STARTED
+        if self._watchdog is not None or self.world_size == 1 or not dist.is_initialized():
+            return
+        _WATCHDOGS_STARTED += 1  # every process sets strategies up in the same order: the same namespace
+        self._watchdog = FailureWatchdog(
+            _compat.default_store(),
+            self.global_rank,
+            self.world_size,
+            namespace=str(_WATCHDOGS_STARTED),
+            timeout=self.failure_timeout,
+        )
+        self._watchdog.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # an agreed error is raised by every rank at the same point: nobody is left waiting
+        if self._watchdog is not None and not isinstance(exception, AgreedError):
+            self._watchdog.report(f"{type(exception).__name__}: {exception}")
+
     def _build_device_mesh(self) -> None:
         assert self.mesh_shape is not None and self.lightning_module is not None
-        self._device_mesh = build_mesh(self.root_device, self.mesh_shape)
-        self.lightning_module._device_mesh = self._device_mesh
+        lc.set_device_mesh(self, self.lightning_module, build_mesh(self.root_device, self.mesh_shape))
 
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """``pipeline_parallel_size="auto"``: the planner picks the layout (see lightning_bfpp.auto)."""
@@ -207,6 +243,17 @@ class BFPPStrategy(ModelParallelStrategy):
         )
         self.mesh_shape = self.config.resolve_mesh(self.world_size, per_node)
         self._build_device_mesh()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Samplers shard data over the data-parallel replicas; all ranks of a pipeline see the same batches.
+
+        (Lightning's ``ModelParallelStrategy`` reads a mesh dimension it names itself; this strategy's own
+        mesh names are used here explicitly.)
+        """
+        mesh = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     @property
     def pipeline_rank(self) -> int:
@@ -236,12 +283,12 @@ class BFPPStrategy(ModelParallelStrategy):
                 "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"
                 " remove `self.automatic_optimization = False` and `manual_backward` from the module."
             )
-        # values are already reduced over replicas before Lightning sees them (see logged_values)
-        warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
         if self.pipeline is None:
             if self.mesh_shape is None:
                 self._plan_layout(trainer)
-            self.pipeline = self._build_pipeline(module)
+            base_seed = self._base_seed()
+            # building checks the module on every rank; some checks (layer placement) differ between ranks
+            self.pipeline = agree(lambda: self._build_pipeline(module, base_seed), "setting up the pipeline")
         elif self.pipeline.module is not module:
             raise RuntimeError(
                 "BFPPStrategy was already set up with another LightningModule; create a new strategy (and"
@@ -250,7 +297,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self.barrier()
         # Lightning clips by the norm of the gradients a rank holds; the pipeline needs the model's norm
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = partial(self._clip_grad_by_norm, plugin)  # type: ignore[method-assign]
+        lc.replace_clip_grad_by_norm(plugin, partial(self._clip_grad_by_norm, plugin))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.trace_dir is not None:
@@ -259,11 +306,18 @@ class BFPPStrategy(ModelParallelStrategy):
                     optimizer.register_step_post_hook(self._trace_optimizer_step)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lc.optimizers_to_device(self.optimizers, self.root_device)
 
-    def _build_pipeline(self, module: pl.LightningModule) -> Pipeline:
+    def _base_seed(self) -> int:
+        """The seed every rank derives its steps' random draws from: global rank 0's torch seed (set by
+        ``seed_everything``), so that processes seeded differently, or not at all, still agree."""
+        return int(self.broadcast(torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF, src=0))
+
+    def _build_pipeline(self, module: pl.LightningModule, base_seed: int) -> Pipeline:
+        """Split, place, shard: no collectives in here (see ``setup``: errors are agreed on afterwards)."""
         assert self.mesh_shape is not None
         named = pipeline_layers(module)
+        _check_metrics(module)
         # the whole model's parameter order, to read single-device optimizer states (see checkpoint.py)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
         weights = layer_weights(named)
@@ -281,7 +335,8 @@ class BFPPStrategy(ModelParallelStrategy):
         for stage in plan.stages_of(self.pipeline_rank):
             layers = [local[name] for name in plan.stage_layers(stage)]
             layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
-            stage_module = StageModule(layers, stage)
+            names = plan.stage_layers(stage)
+            stage_module = StageModule(layers, stage, names=names, is_last=stage == plan.num_stages - 1)
             stage_modules.append(shard_stage(stage_module, dp_mesh, self.config.sharding))
         rank_zero_info(
             f"BFPPStrategy: pipeline_parallel_size={layout.pipeline_parallel_size},"
@@ -313,6 +368,7 @@ class BFPPStrategy(ModelParallelStrategy):
             sharding=self.config.sharding,
             num_microbatches=layout.num_microbatches,
             microbatch_group_size=layout.microbatch_group_size,
+            base_seed=base_seed,
         )
 
     # -- training ----------------------------------------------------------------------------------
@@ -320,7 +376,7 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # set per batch: a callback (e.g. StochasticWeightAveraging) may have switched it back
-        _compat.set_skip_backward(self.lightning_module.trainer, True)
+        lc.set_skip_backward(self.lightning_module.trainer, True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -334,11 +390,18 @@ class BFPPStrategy(ModelParallelStrategy):
         tracer = self._start_trace()
         with self.precision_plugin.train_step_context():
             result = self.pipeline.run(
-                "training_step", batch, tuple(args[1:]), train=True, loss_scale=1.0 / accumulate, tracer=tracer
+                "training_step",
+                batch,
+                tuple(args[1:]),
+                train=True,
+                loss_scale=1.0 / accumulate,
+                tracer=tracer,
+                step_key=(0, trainer.current_epoch, batch_idx),
+                last_batch=trainer.fit_loop.epoch_loop.batch_progress.is_last_batch,
             )
         sync_start = tracer.now() if tracer is not None else 0.0
-        lightning_call._call_callback_hooks(trainer, "on_after_backward")
-        lightning_call._call_lightning_module_hook(trainer, "on_after_backward")
+        lc.call_callback_hooks(trainer, "on_after_backward")
+        lc.call_module_hook(trainer, "on_after_backward")
         loss = self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
         if tracer is not None:
             # sharing the logged values waits for the pipeline's slowest rank: part of the drain
@@ -389,24 +452,32 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def _zero_grad(self, trainer: pl.Trainer, batch_idx: int) -> None:
         optimizer = trainer.optimizers[0]
-        lightning_call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-        lightning_call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-        lightning_call._call_lightning_module_hook(
-            trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
-        )
+        lc.call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+        lc.call_module_hook(trainer, "on_before_zero_grad", optimizer)
+        lc.call_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
     def _share_logs(self, result: StepResult, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay the step's logs on every rank; return the step's loss averaged like the logged values."""
+        """Replay the step's logs on every rank; return the step's loss averaged like the logged values.
+
+        Also where a step that failed on a last-stage rank is raised on every rank (see LoggedValueSync).
+        """
         assert self._log_sync is not None and self.pipeline is not None and self.lightning_module is not None
         module = self.lightning_module
         specs = values = None
-        if self.pipeline.holds_last_stage:
-            specs, values = combine_microbatches(
-                result.recorder.records, module, on_step_by_default=result.step_name == "training_step"
-            )
-            loss = torch.zeros(()) if loss is None else loss
-        specs, values, loss = self._log_sync.share(specs, values, loss)
-        replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
+        if self.pipeline.holds_last_stage and result.failure.error is None:
+            try:
+                specs, values = combine_microbatches(
+                    result.recorder.records, module, on_step_by_default=result.step_name == "training_step"
+                )
+                loss = torch.zeros(()) if loss is None else loss
+            except Exception as error:
+                result.failure.record(error, self.pipeline.rank_label)
+                specs = values = None
+        specs, values, loss = self._log_sync.share(specs, values, loss, result.failure, result.step_name)
+        with warnings.catch_warnings():
+            # the values are already reduced over replicas; Lightning's advice to sync them does not apply
+            warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
+            replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
         return loss
 
     def _clip_grad_by_norm(self, plugin: Precision, optimizer: Optimizer, clip_val: float) -> None:
@@ -428,11 +499,22 @@ class BFPPStrategy(ModelParallelStrategy):
     # -- evaluation --------------------------------------------------------------------------------
 
     def _eval_step(self, step_name: str, context: Any, args: tuple[Any, ...]) -> StepResult:
-        assert self.pipeline is not None
+        assert self.pipeline is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        kind = ("validation_step", "test_step", "predict_step").index(step_name) + 1
+        batch_idx = args[1] if len(args) > 1 else 0
+        dataloader_idx = args[2] if len(args) > 2 else 0
         # evaluation may run under inference_mode (NCCL); tensors made there could never join the training
         # graph that shares these stages' FSDP buffers, so run the pipeline under plain no_grad
         with torch.inference_mode(False), torch.no_grad(), context:
-            result = self.pipeline.run(step_name, args[0], tuple(args[1:]), train=False)
+            result = self.pipeline.run(
+                step_name,
+                args[0],
+                tuple(args[1:]),
+                train=False,
+                step_key=(kind, trainer.current_epoch, trainer.global_step, dataloader_idx, batch_idx),
+                last_batch=_evaluation_loop(trainer, step_name).batch_progress.is_last_batch,
+            )
         return result
 
     @override
@@ -448,7 +530,14 @@ class BFPPStrategy(ModelParallelStrategy):
         """The batch's predictions, on every rank of the pipeline that computed them."""
         assert self.pipeline is not None
         result = self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
-        merged = [merge_microbatches(result.outputs)] if self.pipeline.holds_last_stage else [None]
+        merged: list[Any] = [None]
+        if self.pipeline.holds_last_stage and result.failure.error is None:
+            try:
+                merged = [merge_microbatches(result.outputs)]
+            except Exception as error:
+                result.failure.record(error, self.pipeline.rank_label)
+        # the point after the schedule where every rank meets: a failed predict_step is raised everywhere
+        agree_on_failure("`predict_step`", result.failure, self.root_device)
         if self.layout is not None and self.layout.pipeline_parallel_size > 1:
             last = self.layout.pipeline_parallel_size - 1
             dist.broadcast_object_list(merged, group=self._pipeline_group(), group_src=last, device=self.root_device)
@@ -467,11 +556,11 @@ class BFPPStrategy(ModelParallelStrategy):
         if not isinstance(dataloaders, (list, tuple)):
             dataloaders = [dataloaders] if dataloaders is not None else []
         for dataloader_idx, dataloader in enumerate(dataloaders):
-            results = _compat.prediction_lists(trainer)
+            results = lc.prediction_lists(trainer)
             if dataloader_idx >= len(results):
                 break
             batch_sampler = getattr(dataloader, "batch_sampler", None)
-            indices = _compat.seen_batch_indices(dataloader)
+            indices = lc.seen_batch_indices(dataloader)
             share = (indices, results[dataloader_idx])
             gathered: list[Any] = [None] * self.layout.data_parallel_size if self.data_parallel_rank == 0 else []
             dist.gather_object(share, gathered if self.data_parallel_rank == 0 else None, group=group, group_dst=0)
@@ -490,9 +579,58 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            _compat.set_skip_backward(self.lightning_module.trainer, False)
+        if self.lightning_module is not None and lc.attached_trainer(self.lightning_module) is not None:
+            lc.set_skip_backward(self.lightning_module.trainer, False)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         super().teardown()
+
+    # -- collectives --------------------------------------------------------------------------------
+
+    def _refuse_inside_step(self, what: str) -> None:
+        if self.pipeline is not None and self.pipeline.running_user_code:
+            raise collective_refusal(what)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self._refuse_inside_step("`trainer.strategy.barrier`")
+        super().barrier(name)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._refuse_inside_step("`trainer.strategy.broadcast`")
+        return super().broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        self._refuse_inside_step("`self.all_gather` (`trainer.strategy.all_gather`)")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data-parallel replicas, as DDP reduces over its ranks (``group=`` for another group).
+
+        This is what ``self.log(..., sync_dist=True)`` in a hook does: every rank of a pipeline runs the hook
+        with the same value, and the replicas' values are combined. Reducing over all ranks would count each
+        replica once per pipeline rank (a ``"sum"`` ``p`` times too large).
+        """
+        self._refuse_inside_step("`trainer.strategy.reduce`")
+        if group is None and self.layout is not None and self.layout.data_parallel_size < self.world_size:
+            if self.layout.data_parallel_size == 1:
+                return tensor
+            group = self.device_mesh[DATA_PARALLEL].get_group()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """A decision (e.g. EarlyStopping's) agreed by every process, whatever its place in the mesh."""
+        self._refuse_inside_step("`trainer.strategy.reduce_boolean_decision`")
+        if not dist.is_initialized() or self.world_size == 1:
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -504,39 +642,76 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = lc.unwrap_optimizer(optimizer)
         return checkpoint_io.optimizer_state(self.lightning_module, optimizer)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: lc.PathLike, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 "BFPPStrategy writes distributed checkpoints with torch.distributed.checkpoint and takes no"
                 " `storage_options`."
             )
+        assert self.layout is not None
         path = Path(self.broadcast(str(filepath)))
         state = {checkpoint_io.MODEL_KEY: checkpoint.pop("state_dict")}
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[checkpoint_io.optimizer_key(i)] = optimizer_state
-        checkpoint_io.save(path, state, checkpoint, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        # meta.pt is global rank 0's dict, holding its replica's loader states only: add every replica's
+        fit_state = self._fit_loop_state(checkpoint)
+        loader_states = checkpoint_io.gather_loader_states(
+            fit_state.get("combined_loader") if fit_state is not None else None,
+            data_parallel_rank=self.data_parallel_rank,
+            pipeline_rank=self.pipeline_rank,
+            data_parallel_size=self.layout.data_parallel_size,
+            is_global_zero=self.is_global_zero,
+        )
+        if loader_states is not None:
+            checkpoint[checkpoint_io.LOADER_STATES_KEY] = loader_states
+        checkpoint_io.save(path, state, checkpoint, is_global_zero=self.is_global_zero)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.lightning_module is not None
+    def load_checkpoint(self, checkpoint_path: lc.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None and self.layout is not None
         module = self.lightning_module
         path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        if checkpoint_io.is_sharded_checkpoint(path):
-            return checkpoint_io.load_sharded(path, module, optimizers, strict=module.strict_loading)
-        if path.is_dir():
-            raise FileNotFoundError(f"{path} is a folder without {_compat._METADATA_FILENAME}; not a checkpoint.")
-        # an ordinary single-file checkpoint, e.g. from one device: take this rank's slices of it
-        loaded = torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
-        checkpoint_io.load_full_weights(module, loaded["state_dict"], strict=module.strict_loading)
-        for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
-            checkpoint_io.load_full_optimizer(module, optimizer, saved, self._full_parameter_names)
+        optimizers = [lc.unwrap_optimizer(o) for o in self.optimizers]
+        loaded, warning = checkpoint_io.load(
+            path,
+            module,
+            optimizers,
+            strict=module.strict_loading,
+            weights_only=bool(weights_only),
+            full_parameter_names=self._full_parameter_names,
+        )
+        if warning is not None:
+            rank_zero_warn(warning)
+        # each replica resumes its own place in the data (see checkpoint_io.replica_loader_states)
+        stored = loaded.pop(checkpoint_io.LOADER_STATES_KEY, None)
+        fit_state = self._fit_loop_state(loaded)
+        if fit_state is not None and fit_state.get("combined_loader"):
+            states, warning = checkpoint_io.replica_loader_states(
+                stored,
+                fit_state["combined_loader"],
+                data_parallel_rank=self.data_parallel_rank,
+                data_parallel_size=self.layout.data_parallel_size,
+            )
+            if warning is not None:
+                rank_zero_warn(warning)
+            if states is None:
+                del fit_state["combined_loader"]
+            else:
+                fit_state["combined_loader"] = states
         return loaded
+
+    @staticmethod
+    def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """The fit loop's own entry of a Lightning checkpoint, where ``FitLoop.on_save_checkpoint`` keeps the
+        training loaders' states (``"combined_loader"``); ``None`` in a weights-only checkpoint."""
+        state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+        return state if isinstance(state, dict) else None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -546,6 +721,30 @@ class BFPPStrategy(ModelParallelStrategy):
             description="Breadth-first pipeline parallelism over sharded data parallelism (lightning-bfpp)",
             override=True,
         )
+
+
+def _evaluation_loop(trainer: pl.Trainer, step_name: str) -> Any:
+    """The evaluation loop running ``step_name`` now (its ``batch_progress`` knows whether a batch is the last)."""
+    if step_name == "predict_step":
+        return trainer.predict_loop
+    if step_name == "test_step":
+        return trainer.test_loop
+    if trainer.state.fn == TrainerFn.FITTING:
+        return trainer.fit_loop.epoch_loop.val_loop
+    return trainer.validate_loop
+
+
+def _check_metrics(module: nn.Module) -> None:
+    """Refuse torchmetrics that sync inside every step: only some ranks run a step's code, the sync would hang."""
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric) and metric.dist_sync_on_step:
+            raise ValueError(
+                f"BFPPStrategy: the metric `{name}` has `dist_sync_on_step=True`. Under the pipeline a step's metric"
+                " code runs on the last stage's ranks only, where a sync would wait forever for the others. Drop"
+                " `dist_sync_on_step`: a metric logged with `self.log(name, metric)` shows the step value of the"
+                " global batch anyway (step values are reduced over data-parallel replicas), and its epoch value"
+                " is synced by Lightning."
+            )
 
 
 _SUPPORTED_PRECISION = {

@@ -145,25 +145,26 @@ def read_spans(path: Path) -> list[Span]:
     return [Span(**record) for record in json.loads(path.read_text())]
 
 
-def draw(spans: Sequence[Span], path: Path, title: str = "") -> bool:
+def draw(spans: Sequence[Span], path: Path, title: str = "") -> None:
     """Draw the timeline as a PNG, one row per rank, compute coloured by stage (as the paper draws schedules).
 
-    Returns False (and draws nothing) when matplotlib is not installed.
+    Renders on a standalone Agg figure: no pyplot, so no global backend switch or figure registry in the
+    user's process. matplotlib is a dependency of the package (imported here, on first use, to keep
+    ``import lightning_bfpp`` light).
     """
-    try:
-        import matplotlib
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        return False
     ranks = sorted({s.rank for s in spans})
     stages = sorted({s.stage for s in spans if s.kind in COMPUTE and s.stage is not None})
-    colors = plt.get_cmap("tab20" if len(stages) > 10 else "tab10")
+    colors = colormaps["tab20" if len(stages) > 10 else "tab10"]
     color_of = {stage: colors(i % colors.N) for i, stage in enumerate(stages)}
     end = max((s.end for s in spans), default=1.0)
-    fig, ax = plt.subplots(figsize=(min(24, 6 + 0.02 * len(spans)), 0.9 + 0.75 * len(ranks)))
+    fig = Figure(figsize=(min(24, 6 + 0.02 * len(spans)), 0.9 + 0.75 * len(ranks)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row
         for s in (s for s in spans if s.rank == rank):
@@ -196,5 +197,3 @@ def draw(spans: Sequence[Span], path: Path, title: str = "") -> bool:
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=8, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return True

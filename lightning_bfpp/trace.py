@@ -5,7 +5,8 @@ actions (its ``record_function("PP:<action>")`` ranges), where it waits for poin
 (``_wait_batch_p2p``), and where it waits for a stage's weights (``_assert_unsharded``), and turns them into
 :class:`lightning_bfpp.timeline.Span` records: compute per stage and micro-batch (what the action does
 after its waits), waits for neighbours, weight gathers, gradient reductions, and the optimizer step. The
-hooks exist only inside traced steps; with tracing off nothing is installed.
+hooks (installed through :func:`lightning_bfpp._compat.hooked_runtime`, which names torch's private points)
+exist only inside traced steps; with tracing off nothing is installed.
 
 Ranks align their clocks with a barrier at the start of each traced step. Times are host times: on GPUs
 the tracer synchronizes the device at span ends so that host time is device time (tracing is for looking,
@@ -18,13 +19,14 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining.schedules as torch_schedules
 
+from lightning_bfpp._compat import PipelineScheduleRuntime, hooked_runtime
 from lightning_bfpp.timeline import Span, draw, format_summary, summarize, write_chrome_trace, write_spans
 
 _ACTION = re.compile(r"^PP:(\d+)(F|B|I|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
@@ -57,18 +59,15 @@ class StepTracer:
         self.spans.append(Span(self.rank, kind, start, end, stage, microbatch))
 
     @contextmanager
-    def recording(self, schedule: Any) -> Iterator[None]:
+    def recording(self, schedule: PipelineScheduleRuntime) -> Iterator[None]:
         """Hook the runtime for the duration of one ``schedule.run``."""
-        originals = (torch_schedules.record_function, torch_schedules._wait_batch_p2p)
-        original_assert = schedule._assert_unsharded
-        torch_schedules.record_function = self._action_range(originals[0])
-        torch_schedules._wait_batch_p2p = self._timed_wait("p2p_wait", originals[1])
-        schedule._assert_unsharded = self._timed_wait("gather_wait", original_assert)
-        try:
+        with hooked_runtime(
+            schedule,
+            action_range=self._action_range,
+            p2p_wait=partial(self._timed_wait, "p2p_wait"),
+            weight_wait=partial(self._timed_wait, "gather_wait"),
+        ):
             yield
-        finally:
-            torch_schedules.record_function, torch_schedules._wait_batch_p2p = originals
-            del schedule._assert_unsharded
 
     def _action_range(self, original: Callable[[str], Any]) -> Callable[[str], Any]:
         tracer = self

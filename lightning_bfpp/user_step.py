@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-from lightning_bfpp._compat import metric_step_value
+from lightning_bfpp._compat import instance_attributes, tree_flatten
+from lightning_bfpp._lightning_compat import metric_state_snapshot, metric_step_value, restore_metric_state
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -41,30 +42,35 @@ class _ModelInputCaptured(BaseException):
         self.model_kwargs = kwargs
 
 
-@contextmanager
-def _patched(module: LightningModule, **attrs: Any) -> Iterator[None]:
-    for name, value in attrs.items():
-        object.__setattr__(module, name, value)
-    try:
-        yield
-    finally:
-        for name in attrs:
-            module.__dict__.pop(name, None)
-
-
 def capture_model_input(
-    module: LightningModule, step: Callable[..., Any], step_name: str, *step_args: Any
+    module: LightningModule,
+    step: Callable[..., Any],
+    step_name: str,
+    *step_args: Any,
+    metrics: Sequence[Metric] = (),
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Run ``step(*step_args)`` up to its ``self(...)`` call and return that call's arguments."""
+    """Run ``step(*step_args)`` up to its ``self(...)`` call and return that call's arguments.
+
+    What the step does before that call runs here a second time (the last stage runs the whole step), so
+    its effects that would count twice are undone: ``self.log`` calls are dropped, and the states of the
+    module's torchmetrics ``metrics`` are restored afterwards (an update made here would otherwise join the
+    epoch value when Lightning syncs metric states over all processes).
+    """
 
     def stop_at_forward(*args: Any, **kwargs: Any) -> Any:
         raise _ModelInputCaptured(args, kwargs)
 
-    with _patched(module, forward=stop_at_forward, log=_discard, log_dict=_discard):
-        try:
-            step(*step_args)
-        except _ModelInputCaptured as captured:
-            return captured.model_args, captured.model_kwargs
+    saved = [metric_state_snapshot(metric) for metric in metrics]
+    try:
+        with instance_attributes(module, forward=stop_at_forward, log=_discard, log_dict=_discard):
+            try:
+                step(*step_args)
+            except _ModelInputCaptured as captured:
+                _check_model_input(captured.model_args, captured.model_kwargs, step_name)
+                return captured.model_args, captured.model_kwargs
+    finally:
+        for metric, state in zip(metrics, saved, strict=True):
+            restore_metric_state(metric, state)
     raise RuntimeError(
         f"BFPPStrategy: `{step_name}` returned without calling `self(...)`. Under BFPPStrategy the pipeline's"
         f" input is what `{step_name}` passes to `self(...)`, and `self(...)` returns the pipeline's output;"
@@ -72,22 +78,91 @@ def capture_model_input(
     )
 
 
+_CONSTANT_TYPES = (bool, int, float, type(None))
+
+
+def _check_model_input(args: tuple[Any, ...], kwargs: dict[str, Any], step_name: str) -> None:
+    """Refuse model inputs the pipeline cannot cut into micro-batches or send (strings, arbitrary objects)."""
+    for where, value in [*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        leaves, _ = tree_flatten(value)
+        for leaf in leaves:
+            if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
+                raise TypeError(
+                    f"BFPPStrategy: `{step_name}` passes a {type(leaf).__name__} to `self(...)` ({where}). The"
+                    " pipeline's input must be tensors with the batch as dim 0 (numbers and None pass unchanged):"
+                    " a per-sample value of another type cannot be cut into micro-batches or sent between stages."
+                    " Turn it into a tensor before the model, e.g. tokenize text in the DataLoader's collate_fn."
+                )
+
+
 def _discard(*args: Any, **kwargs: Any) -> None:
     return None
 
 
 @contextmanager
-def model_returns(module: LightningModule, output: Any) -> Iterator[Callable[[], bool]]:
-    """Inside the block, ``module(...)`` returns ``output``; yields a function telling whether it was called."""
-    called = False
+def model_returns(module: LightningModule, output: Any) -> Iterator[Callable[[], int]]:
+    """Inside the block, ``module(...)`` returns ``output``; yields a function telling how often it was called."""
+    calls = 0
 
     def pipeline_output(*args: Any, **kwargs: Any) -> Any:
-        nonlocal called
-        called = True
+        nonlocal calls
+        calls += 1
         return output
 
-    with _patched(module, forward=pipeline_output):
-        yield lambda: called
+    with instance_attributes(module, forward=pipeline_output):
+        yield lambda: calls
+
+
+def check_model_called(calls: int, step_name: str) -> None:
+    """The last stage's run of a step must call ``self(...)`` exactly once: its result is one micro-batch's output."""
+    if calls == 0:
+        raise RuntimeError(
+            f"BFPPStrategy: `{step_name}` did not call `self(...)` on the last pipeline stage; its result must come"
+            " from the pipeline's output, which `self(...)` returns."
+        )
+    if calls > 1:
+        raise RuntimeError(
+            f"BFPPStrategy: `{step_name}` calls `self(...)` {calls} times. The pipeline runs the model once per"
+            " micro-batch, on the input of the first call, so every further call would silently return that same"
+            " output. Call the model once per step (concatenate the inputs along the batch dimension and split"
+            " the output), or move the extra forward into `pipeline_layers()`."
+        )
+
+
+class CollectiveInStepError(RuntimeError):
+    """A collective was called from inside a pipelined step, where only some ranks run the user's code."""
+
+
+def collective_refusal(what: str) -> CollectiveInStepError:
+    return CollectiveInStepError(
+        f"BFPPStrategy: {what} was called inside a step. Under the pipeline a step's code runs on the ranks that"
+        " hold the first and last stages only, so a collective there would wait forever for the others."
+        " Inside a step, log values with `self.log(...)` (every logged value is already reduced over"
+        " data-parallel replicas with its `reduce_fx`, as `sync_dist=True` would); log a torchmetrics Metric"
+        " object with `self.log(name, metric)` and let Lightning compute it at epoch end; move other"
+        " collectives to a hook that runs on every rank (e.g. `on_train_batch_end`, `on_validation_epoch_end`)."
+    )
+
+
+@contextmanager
+def metrics_refuse_sync(metrics: Sequence[Metric]) -> Iterator[None]:
+    """Make a metric's cross-process sync inside a step (``compute()``, ``dist_sync_on_step=True``) raise at once.
+
+    torchmetrics syncs through ``torch.distributed`` directly, on the ranks that run the step only; refusing
+    at the call turns a certain hang into a message.
+    """
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise collective_refusal("a torchmetrics Metric's sync (`compute()` or `dist_sync_on_step=True`)")
+
+    saved = [metric.dist_sync_fn for metric in metrics]
+    for metric in metrics:
+        metric.dist_sync_fn = refuse
+    try:
+        yield
+    finally:
+        for metric, fn in zip(metrics, saved, strict=True):
+            metric.dist_sync_fn = fn
 
 
 @dataclass
@@ -136,7 +211,7 @@ class LogRecorder:
     @contextmanager
     def recording(self, module: LightningModule) -> Iterator[None]:
         # log_dict calls self.log, so patching log alone records both
-        with _patched(module, log=self.log):
+        with instance_attributes(module, log=self.log):
             yield
 
 

@@ -197,19 +197,41 @@ class RunSpec:
     checks: list[str] = field(default_factory=list)
     resume_from: str | None = None  # a checkpoint path, relative to the launch's output folder
     reference: dict[str, Any] = field(default_factory=dict)  # RunSpec fields that differ for the reference
+    # "package.module:function" building the LightningModule from this RunSpec instead of PipeNet
+    model_factory: str | None = None
+    # "package.module:function" building the training loader from (RunSpec, trainer) instead of a DataLoader
+    loader_factory: str | None = None
+    # the run is expected to raise: every rank records the exception instead of failing, and the next run goes on
+    expect_error: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def make_model(run: RunSpec) -> PipeNet:
+def load_factory(path: str) -> Any:
+    """``"package.module:function"`` -> the function."""
+    import importlib
+
+    module_name, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def make_model(run: RunSpec) -> L.LightningModule:
+    if run.model_factory is not None:
+        return load_factory(run.model_factory)(run)
     spec = dict(run.model)
     spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
     return PipeNet(**spec)
 
 
+def model_spec(run: RunSpec) -> ModelSpec:
+    """The PipeNet fields of ``run.model`` (a model factory may take more keys)."""
+    fields = ModelSpec.__dataclass_fields__
+    return ModelSpec(**{k: v for k, v in run.model.items() if k in fields})
+
+
 def make_dataset(run: RunSpec) -> RegressionData:
-    model = ModelSpec(**run.model)
+    model = model_spec(run)
     return RegressionData(DataSpec(**run.data), model.in_dim, model.out_dim)
 
 
@@ -254,6 +276,8 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
         callbacks.append(FailCheckpointWrite())
     if "last_checkpoint_every_step" in checks:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=0, save_last=True))
+    if "stop_on_non_finite_loss" in checks:
+        callbacks.append(EarlyStopping(monitor="train_loss", check_finite=True, patience=1000))
     if "early_stopping" in checks:
         callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02))
     if "top_k" in checks:
@@ -279,7 +303,7 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
 
 def eval_loader(run: RunSpec, batch_size: int, seed: int) -> DataLoader:
     spec = DataSpec(**{**run.data, "seed": seed, "num_samples": 32})
-    model = ModelSpec(**run.model)
+    model = model_spec(run)
     return DataLoader(RegressionData(spec, model.in_dim, model.out_dim), batch_size=batch_size)
 
 

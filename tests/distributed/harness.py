@@ -70,6 +70,11 @@ def launch(runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 24
     proc = run_worker(runs, devices, workdir, timeout)
     if proc.returncode != 0:
         raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+    return load_results(runs, devices, workdir)
+
+
+def load_results(runs: list[RunSpec], devices: int, workdir: Path) -> dict[str, RunResult]:
+    """What every rank of a finished :func:`run_worker` launch recorded, per run."""
     out = workdir / "out"
     results = {}
     for run in runs:

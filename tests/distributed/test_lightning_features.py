@@ -2,8 +2,9 @@
 
 Clipping (by the whole model's norm, and by value), gradient accumulation, LR schedulers per step and per
 epoch with several parameter groups, validation (sanity check, mid-epoch `val_check_interval`, torchmetrics),
-test and predict, activation checkpointing, and bf16 precisions. All runs use (p, dp, v, m) = (2, 2, 2, 4)
-on 4 CPU processes unless a run says otherwise.
+test and predict, activation checkpointing (and that it recomputes), and bf16 precisions (and that the
+pipeline computes in bf16). All runs use (p, dp, v, m) = (2, 2, 2, 4) on 4 CPU processes unless a run says
+otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import assert_params_match, assert_steps_match, launch, run_2x2
+from tests.distributed.harness import assert_params_match, assert_steps_match, launch, relative_error, run_2x2
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -43,9 +44,11 @@ RUNS = {
             trainer={"max_epochs": 2, "max_steps": -1, "val_check_interval": 2, "num_sanity_val_steps": 2},
             checks=("validate", "test", "predict"),
         ),
-        run("recompute_all", strategy={"activation_checkpointing": True}),
-        run("bf16_mixed", trainer={"precision": "bf16-mixed"}),
-        run("bf16_true", trainer={"precision": "bf16-true"}),
+        # layer_probe: each layer's forward calls and matmul dtypes per step (tests/distributed/worker.py)
+        run("recompute_all", strategy={"activation_checkpointing": True}, checks=("layer_probe",)),
+        run("no_recompute", checks=("layer_probe",)),
+        run("bf16_mixed", trainer={"precision": "bf16-mixed"}, checks=("layer_probe",)),
+        run("bf16_true", trainer={"precision": "bf16-true"}, checks=("layer_probe",)),
     ]
 }
 
@@ -131,8 +134,38 @@ def test_bf16_precisions_match_single_device_within_bf16_tolerance(name, results
     ref = reference_run(RUNS[name])
     assert_steps_match(res[name], ref, tol=2e-2)
     fp32 = reference_run(RunSpec(**{**RUNS[name].to_json(), "trainer": {}}))
-    # and the bf16 runs are really bf16: their losses differ from fp32 training
+    # and the bf16 references are really bf16: their losses differ from fp32 training
     assert any(
         s["callback_metrics"]["train_loss"] != f["callback_metrics"]["train_loss"]
         for s, f in zip(ref.steps, fp32.steps, strict=True)
     )
+    # the pipeline computed in bf16 itself: every matmul on every rank, at every step, returned bf16 (a pipeline
+    # silently running fp32 would still pass the tolerance above)
+    for rank, rank_result in enumerate(res[name].ranks):
+        dtypes = rank_result["holdings"]["layer_probe"]["linear_dtypes"]
+        assert set(dtypes) == {str(step) for step in range(1, 7)}, f"rank {rank} ran no matmul at some step"
+        assert all(d == ["torch.bfloat16"] for d in dtypes.values()), f"rank {rank}: {dtypes}"
+
+
+@pytest.mark.parametrize(("name", "forwards_per_microbatch"), [("recompute_all", 2), ("no_recompute", 1)])
+def test_activation_checkpointing_runs_each_layer_again_in_backward(name, forwards_per_microbatch, results):
+    """Recomputation happened: with checkpointing each layer's forward runs twice per micro-batch (forward and
+    backward), without it once; counted on the layer objects each rank holds."""
+    _, res = results
+    for rank_result in res[name].ranks:
+        holdings = rank_result["holdings"]
+        m = holdings["layout"]["m"]
+        calls = holdings["layer_probe"]["forward_calls"]
+        assert holdings["local_layers"]
+        for step in range(2, 7):  # step 1 also runs torch's shape inference
+            assert calls[str(step)] == dict.fromkeys(holdings["local_layers"], forwards_per_microbatch * m), step
+
+
+def test_activation_checkpointing_changes_no_result(results):
+    _, res = results
+    recomputed, stored = res["recompute_all"], res["no_recompute"]
+    assert set(recomputed.params) == set(stored.params)
+    worst = max(relative_error(recomputed.params[k], stored.params[k]) for k in stored.params)
+    assert worst <= 1e-6, worst
+    for a, b in zip(recomputed.steps(0), stored.steps(0), strict=True):
+        assert a["callback_metrics"]["train_loss"] == pytest.approx(b["callback_metrics"]["train_loss"], rel=1e-6)

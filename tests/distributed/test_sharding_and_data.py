@@ -36,6 +36,15 @@ RUNS = [
     run("zero2", "shard_grad_op"),
     run("replicated", "no_shard"),
     run("meta_init", "full_shard", checks=("empty_init",)),
+    # layers that sleep 20 ms per micro-batch and hold 2 MB of weights each: compute long enough to time gathers
+    RunSpec(
+        name="prefetch_timing",
+        model_factory="tests.probe_models:sleeping_net",
+        strategy={"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4, "sharding": "full_shard"},
+        local_batch_size=4,
+        data_parallel_size=2,
+        trainer={"max_steps": 3},
+    ),
 ]
 
 
@@ -87,6 +96,38 @@ def test_next_stage_is_prefetched_and_reductions_are_issued_before_remaining_bac
         assert index("gather", first, 1) < index("backward", last)
         # the last stage's gradients are reduced as soon as its sweep ends, before the first stage's backward
         assert index("backward", last, -1) < index("reduce", last) < index("backward", first)
+
+
+def test_prefetched_gathers_complete_while_the_previous_stage_computes(results):
+    """Prefetch measured by completion time, not issue order: the weights of the next visit's stage arrive while
+    the current visit computes, so that stage never waits for them.
+
+    The forward sweep's second stage is gathered during the first stage's forwards, and the backward sweep's
+    second stage during the first one's backwards; each gather is issued before and completes before the end of
+    that compute (the worker times the issue, the completion of torch's asynchronous all-gather work, and each
+    stage's compute). Without prefetch a gather is issued when its stage's visit starts, after that end.
+    """
+    _, res = results
+    for rank_result in res["prefetch_timing"].ranks:
+        first, last = (rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2))
+        for step in (2, 3):  # step 1 also infers the stages' shapes
+            timed = [e for e in rank_result["timed"] if e[0] == step]
+
+            def times(what, stage, timed=timed):
+                return [t for _, w, s, _, t in timed if w == what and s == stage]
+
+            sweeps = [
+                # (stage gathered, the stage computing meanwhile, which compute, which gather of the stage)
+                (last, first, "forward", 0),
+                (first, last, "backward", 1),
+            ]
+            for gathered, computing, kind, nth in sweeps:
+                issued, done = times("gather_issued", gathered)[nth], times("gather_done", gathered)[nth]
+                start, end = min(times(f"{kind}_start", computing)), max(times(f"{kind}_end", computing))
+                assert end - start > 0.1  # 4 micro-batches x 2 layers x 20 ms: long against a gather
+                where = f"rank {rank_result['holdings']['pipeline_rank']} step {step}: stage {gathered}"
+                assert issued < start, f"{where} gathered after stage {computing}'s {kind} sweep started"
+                assert done < end, f"{where} gather completed {1e3 * (done - end):.1f} ms after the {kind} sweep"
 
 
 def test_each_rank_holds_only_its_shard_of_its_stages(results):

@@ -72,7 +72,13 @@ def test_spans_show_the_breadth_first_schedule(traced):
         assert any(s.kind == "optimizer" for s in mine)
 
 
-def test_tracing_off_hooks_nothing(traced):
+def test_runtime_is_hooked_during_traced_steps_only(traced):
+    """The worker notes, at every stage forward, whether torch's runtime globals are replaced: the traced run
+    shows the check sees the tracer's hooks (steps 1 and 2 of 3), the untraced run that nothing is hooked."""
     _, res = traced
-    for name in ("traced", "untraced"):
-        assert all(r["holdings"]["runtime_untouched"] for r in res[name].ranks)  # restored after each step
+    for rank_result in res["traced"].ranks:
+        assert rank_result["holdings"]["hooked_steps"] == [1, 2]  # trace_steps=2 of 3
+        assert rank_result["holdings"]["runtime_untouched"]  # restored after the last traced step
+    for rank_result in res["untraced"].ranks:
+        assert rank_result["holdings"]["hooked_steps"] == []
+        assert rank_result["holdings"]["runtime_untouched"]

@@ -6,34 +6,43 @@ one after the other in the same processes.
 
 Per run and rank it writes ``OUT_DIR/<run>/rank<R>.json``: the metrics each step logged and returned, the
 batch indices it saw, and (instrumented here, not in the package) when each stage's weights were gathered
-and its gradients reduced relative to the stages' forward and backward work. The data-parallel rank 0 of
+and its gradients reduced relative to the stages' forward and backward work, in order ("events") and in
+time ("timed": issue and completion of each gather, start and end of each stage's compute); with the
+``layer_probe`` check, each layer's forward calls and its matmuls' dtypes per step. The data-parallel rank 0 of
 each pipeline rank also writes ``params_pp<P>.pt``: the full tensors of that rank's parameters.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 import torch.distributed.pipelining.schedules as torch_schedules
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.layers import RemoteLayer
+from lightning_bfpp.layers import Recompute, RemoteLayer
 from tests.models import (
     RunSpec,
     StepRecorder,
     after_fit,
     eval_loader,
     fit,
+    load_factory,
     make_callbacks,
     make_dataset,
     make_model,
@@ -48,8 +57,17 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[list[Any]] = []
+        # [step, what, stage, microbatch, seconds]: when gathers were issued and completed and when stage
+        # compute ran, on this rank's clock (compare times within one rank only)
+        self.timed: list[list[Any]] = []
+        self.hooked_steps: set[int] = set()  # steps during which torch's runtime globals were replaced
         self.stage_of_param: dict[int, int] = {}
         self.step = 0
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.timed.clear()
+        self.hooked_steps.clear()
 
     def install(self) -> None:
         gather, reduce = fsdp_param_group.foreach_all_gather, fsdp_param_group.foreach_reduce
@@ -57,7 +75,19 @@ class EventLog:
 
         def counted_gather(fsdp_params, *args, **kwargs):
             log.record("gather", fsdp_params)
-            return gather(fsdp_params, *args, **kwargs)
+            step, stage = log.step, log.stage_of(fsdp_params)
+            log.timed.append([step, "gather_issued", stage, None, time.perf_counter()])
+            result = gather(fsdp_params, *args, **kwargs)
+
+            def done(*_: Any) -> None:
+                log.timed.append([step, "gather_done", stage, None, time.perf_counter()])
+
+            work = getattr(result, "all_gather_work", None)
+            if isinstance(work, dist.Work):  # issued asynchronously: it completes when its future does
+                work.get_future().add_done_callback(done)
+            else:
+                done()
+            return result
 
         def counted_reduce(fsdp_params, *args, **kwargs):
             log.record("reduce", fsdp_params)
@@ -69,27 +99,44 @@ class EventLog:
 
         def forward_one_chunk(stage, chunk, *args, **kwargs):
             log.events.append([log.step, "forward", stage.stage_index, chunk])
-            return forward(stage, chunk, *args, **kwargs)
+            with log.timing("forward", stage.stage_index, chunk):
+                return forward(stage, chunk, *args, **kwargs)
 
         def backward_one_chunk(stage, chunk, *args, **kwargs):
-            if stage.has_backward:
-                log.events.append([log.step, "backward", stage.stage_index, chunk])
-            return backward(stage, chunk, *args, **kwargs)
+            if not stage.has_backward:
+                return backward(stage, chunk, *args, **kwargs)
+            log.events.append([log.step, "backward", stage.stage_index, chunk])
+            with log.timing("backward", stage.stage_index, chunk):
+                return backward(stage, chunk, *args, **kwargs)
 
         PipelineStage.forward_one_chunk = forward_one_chunk
         PipelineStage.backward_one_chunk = backward_one_chunk
 
+    @contextmanager
+    def timing(self, what: str, stage: int, microbatch: int) -> Iterator[None]:
+        if torch_schedules.record_function is not ORIGINAL_RUNTIME[0]:
+            self.hooked_steps.add(self.step)
+        self.timed.append([self.step, f"{what}_start", stage, microbatch, time.perf_counter()])
+        try:
+            yield
+        finally:
+            self.timed.append([self.step, f"{what}_end", stage, microbatch, time.perf_counter()])
+
+    def stage_of(self, fsdp_params: list[Any]) -> int:
+        return self.stage_of_param.get(id(fsdp_params[0].sharded_param), -1)
+
     def record(self, what: str, fsdp_params: list[Any]) -> None:
-        stage = self.stage_of_param.get(id(fsdp_params[0].sharded_param), -1)
-        self.events.append([self.step, what, stage, None])
+        self.events.append([self.step, what, self.stage_of(fsdp_params), None])
 
 
 class Probe(L.Callback):
     """Ties the event log to training steps and checks what each rank holds after setup."""
 
-    def __init__(self, events: EventLog) -> None:
+    def __init__(self, events: EventLog, layer_probe: bool = False) -> None:
         self.events = events
         self.holdings: dict[str, Any] = {}
+        self.layer_probe = layer_probe
+        self._hooks: list[Any] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
@@ -123,6 +170,35 @@ class Probe(L.Callback):
                 for n, p in pl_module.named_parameters()
             },
         }
+        if self.layer_probe:
+            self._install_layer_probe(strategy)
+
+    def _install_layer_probe(self, strategy: BFPPStrategy) -> None:
+        """Count each local layer's forward calls per step (recomputation calls the layer again) and record the
+        dtype of every ``nn.Linear`` output (the matmul's), with hooks on the layer objects the stages run."""
+        assert strategy.pipeline is not None and strategy.stage_plan is not None
+        pipeline, log = strategy.pipeline, self.events
+        calls: dict[str, dict[str, int]] = {}
+        dtypes: dict[str, set[str]] = {}
+
+        def count(name: str) -> Any:
+            def hook(*_: Any) -> None:
+                per_step = calls.setdefault(str(log.step), {})
+                per_step[name] = per_step.get(name, 0) + 1
+
+            return hook
+
+        def record_dtype(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+            dtypes.setdefault(str(log.step), set()).add(str(output.dtype))
+
+        for stage, module in zip(pipeline.local_stages, pipeline.stage_modules, strict=True):
+            for name, layer in zip(strategy.stage_plan.stage_layers(stage), module.layers, strict=True):
+                inner = layer.layer if isinstance(layer, Recompute) else layer
+                self._hooks.append(inner.register_forward_pre_hook(count(name)))
+                for sub in inner.modules():
+                    if isinstance(sub, nn.Linear):
+                        self._hooks.append(sub.register_forward_hook(record_dtype))
+        self.holdings["layer_probe"] = {"forward_calls": calls, "linear_dtypes": dtypes}
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.events.step = trainer.global_step + 1
@@ -132,6 +208,12 @@ class Probe(L.Callback):
             torch_schedules.record_function is ORIGINAL_RUNTIME[0]
             and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
         )
+        self.holdings["hooked_steps"] = sorted(self.events.hooked_steps)
+        for handle in self._hooks:
+            handle.remove()
+        if "layer_probe" in self.holdings:
+            dtypes = self.holdings["layer_probe"]["linear_dtypes"]
+            self.holdings["layer_probe"]["linear_dtypes"] = {step: sorted(d) for step, d in dtypes.items()}
         names = {id(p): n for n, p in pl_module.named_parameters()}
         optimizer = trainer.optimizers[0]
         self.holdings["lrs"] = [group["lr"] for group in optimizer.param_groups]
@@ -154,20 +236,41 @@ def _local_numel(p: torch.Tensor) -> int:
 
 def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    events.events.clear()
-    recorder, probe = StepRecorder(), Probe(events)
+    if not run.expect_error:
+        _run(run, devices, out, events)
+        return
+    # the run must fail the same way on every rank (from the strategy's construction to the end of fit):
+    # record how, and go on with the next run in these processes
+    try:
+        _run(run, devices, out, events)  # writes this rank's JSON when it finishes after all
+    except Exception as error:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+        record = {"error": f"{type(error).__name__}: {error}", "rank": rank}
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        return
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"error": None, "rank": dist.get_rank()}))
+
+
+def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
+    events.clear()
+    recorder, probe = StepRecorder(), Probe(events, layer_probe="layer_probe" in run.checks)
     extra_callbacks, extra_kwargs = make_callbacks(run, out)
     callbacks: list[L.Callback] = [recorder, probe, *extra_callbacks]
     # {"name": "bfpp"} selects the registered strategy name with its defaults, as `Trainer(strategy="bfpp")`
     strategy: Any = "bfpp" if run.strategy.get("name") == "bfpp" else BFPPStrategy(**run.strategy)
     kwargs = {**trainer_defaults(run), **extra_kwargs}
+    if "plugin_factories" in kwargs:
+        kwargs["plugins"] = [load_factory(name)() for name in kwargs.pop("plugin_factories")]
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks, **kwargs)
     if "empty_init" in run.checks:
         with trainer.init_module(empty_init=True):
             model = make_model(run)
     else:
         model = make_model(run)
-    loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
+    if run.loader_factory is not None:
+        loader = load_factory(run.loader_factory)(run, trainer)
+    else:
+        loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
     val = eval_loader(run, run.local_batch_size, seed=2) if "validate" in run.checks else None
     ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
     fit(trainer, model, loader, val, run, ckpt_path)
@@ -181,7 +284,9 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         "steps": recorder.steps,
         "validations": recorder.validations,
         "events": events.events,
+        "timed": events.timed,
         "holdings": probe.holdings,
+        "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         **extras,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -68,10 +68,45 @@ def test_meta_model_materializes_only_local_layers():
         net.embed(torch.zeros(1, 3))
 
 
-def test_alias_of_a_remote_layer_is_refused():
+@pytest.mark.parametrize(
+    ("alias", "message"),
+    [
+        (lambda net: setattr(net, "last", net.blocks[3]), "`last` is another name for `blocks.3` of pipeline layer"),
+        (lambda net: setattr(net, "inner", net.blocks[1][0]), "`inner` is another name for `blocks.1.0` of pipeline"),
+        (
+            lambda net: setattr(net, "w", net.head.weight),
+            "`w` is another name for `head.weight` of pipeline layer `head`",
+        ),
+    ],
+)
+def test_alias_of_a_layer_is_refused_before_partitioning(alias, message):
+    """Raised by pipeline_layers() from the module alone, so every rank raises the same (see
+    tests/distributed/test_aliased_layer.py); keep_local_layers would see it only on ranks not holding the layer."""
+    messages = set()
+    for _ in range(2):  # two ranks build their own copy of the module
+        net = Net()
+        alias(net)
+        with pytest.raises(ValueError, match="another name") as raised:
+            pipeline_layers(net)
+        messages.add(str(raised.value))
+    (only,) = messages
+    assert message in only
+
+
+def test_shared_buffers_and_parameter_free_modules_are_not_aliases():
     net = Net()
-    net.last = net.blocks[3]  # the same layer reachable under a second name
+    table = torch.arange(4.0)
+    for block in net.blocks:
+        block.register_buffer("table", table)  # e.g. one rotary-embedding table used by every block
+    net.register_buffer("table", table)
+    net.act = net.blocks[0][1]  # a parameter-free module reachable twice keeps nothing on any rank
+    assert len(pipeline_layers(net)) == 6
+
+
+def test_keep_local_layers_still_refuses_a_leak():
+    net = Net()
     named = pipeline_layers(net)
+    net.last = net.blocks[3]  # added after the check: the backstop in keep_local_layers sees it
     with pytest.raises(ValueError, match="still reachable"):
         keep_local_layers(net, named, [0, 0, 0, 1, 1, 1], pipeline_rank=0, device=torch.device("cpu"))
 

@@ -33,3 +33,26 @@ def test_signature_changes_with_shape_only():
     a = batch_signature((torch.zeros(4, 3), torch.zeros(4)))
     assert a == batch_signature((torch.ones(4, 3), torch.ones(4)))
     assert a != batch_signature((torch.zeros(2, 3), torch.zeros(2)))
+
+
+def test_microbatch_count_refuses_full_batches_it_cannot_split_and_names_the_choices():
+    from lightning_bfpp.microbatch import microbatch_count
+
+    assert microbatch_count(8, 4) == 4
+    assert microbatch_count(6, 4, last_batch=True) == 3
+    assert microbatch_count(3, 4, last_batch=True) == 3
+    assert microbatch_count(5, 4, last_batch=True) == 1
+    with pytest.raises(
+        ValueError,
+        match=r"a batch of 6 samples cannot be split into num_microbatches=4 .*\(e\.g\. 4, 8\).*one of \[1, 2, 3, 6\]",
+    ):
+        microbatch_count(6, 4)
+    with pytest.raises(ValueError, match="a batch of 2 samples is smaller than num_microbatches=4"):
+        microbatch_count(2, 4)
+
+
+def test_per_sample_lists_are_cut_with_the_samples():
+    batch = {"x": torch.arange(8), "text": [f"s{i}" for i in range(8)], "tag": "all", "pair": ["a", "b"]}
+    parts = split_microbatches(batch, 4)
+    assert [p["text"] for p in parts] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"], ["s6", "s7"]]
+    assert all(p["tag"] == "all" and p["pair"] == ["a", "b"] for p in parts)

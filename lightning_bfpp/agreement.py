@@ -1,0 +1,119 @@
+"""Turn an error on some ranks into the same error on every rank, instead of a hang.
+
+In a pipeline, most checks and most user code run on a subset of ranks: the first stage captures the model's
+input, the last stage runs the loss and the logging, global rank 0 plans and writes metadata. An exception
+there leaves the other ranks waiting in their next collective. Wherever such an error can happen, the ranks
+meet in one agreement after it: every rank says whether it failed, and if one did, every rank raises
+:class:`AgreedError` with the failing rank's message. The failing rank's own exception is chained to it.
+Agreed errors are raised everywhere at the same point, so the processes stay in step (and the failure
+watchdog, :mod:`lightning_bfpp.failures`, leaves them alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class AgreedError(RuntimeError):
+    """Raised on every rank because one rank failed at a point where all ranks compare notes."""
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def rank_name(rank: int | None = None, **coordinates: int) -> str:
+    """``"rank 3 (pipeline rank 1, data-parallel rank 1)"``: the global rank and, if given, its mesh coordinates."""
+    rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
+    extra = ", ".join(
+        f"{name.replace('data_parallel', 'data-parallel').replace('_', ' ')} {value}"
+        for name, value in coordinates.items()
+    )
+    return f"rank {rank}" + (f" ({extra})" if extra else "")
+
+
+def agree(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None, rank_label: str | None = None) -> T:
+    """Run ``fn`` on every rank of ``group``; if it raised anywhere, raise :class:`AgreedError` everywhere.
+
+    ``fn`` must not itself run collectives (a rank that failed before one would leave the others in it).
+    Costs one ``all_gather_object``: meant for setup and other once-per-run points, not per step.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # BaseExceptions (KeyboardInterrupt, SystemExit) stop the process as usual
+        error = exc
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return result
+    label = rank_label or rank_name()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, None if error is None else (label, describe(error)), group=group)
+    failures = [g for g in gathered if g is not None]
+    if failures:
+        raise AgreedError(failure_message(what, failures, len(gathered))) from error
+    return result
+
+
+def failure_message(what: str, failures: list[tuple[str, str]], world_size: int | None = None) -> str:
+    label, cause = failures[0]
+    if world_size is not None and len(failures) == world_size and len({c for _, c in failures}) == 1:
+        return f"BFPPStrategy: {what} failed on every rank: {cause}"
+    more = f" (and {len(failures) - 1} more rank(s) failed too)" if len(failures) > 1 else ""
+    return f"BFPPStrategy: {what} failed on {label}{more}: {cause}"
+
+
+class StepFailure:
+    """One step's outcome on this rank: the first error, with where it happened, or nothing.
+
+    Encoded as a small integer for the per-step all-reduce (``global rank + 1``, 0 for success); the message
+    travels only when some rank failed.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.label = ""
+
+    def record(self, error: BaseException, label: str) -> None:
+        if self.error is None:
+            self.error, self.label = error, label
+
+    @property
+    def code(self) -> int:
+        return 0 if self.error is None else dist.get_rank() + 1
+
+    def message(self) -> tuple[str, str]:
+        assert self.error is not None
+        return self.label, describe(self.error)
+
+
+def raise_agreed(
+    what: str, code: int, local: StepFailure, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """After an all-reduce (MAX) of :attr:`StepFailure.code` showed ``code != 0``: fetch the message from the
+    failing global rank ``code - 1`` and raise it on every rank of ``group``."""
+    source = code - 1
+    box: list[Any] = [local.message() if dist.get_rank() == source else None]
+    dist.broadcast_object_list(box, src=source, group=group, device=device)
+    raise AgreedError(failure_message(what, [box[0]])) from local.error
+
+
+def agree_on_failure(what: str, failure: StepFailure, device: torch.device) -> None:
+    """One all-reduce over all ranks of whether ``failure`` holds an error anywhere; if so, raise it everywhere."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure.error is not None:
+            raise failure.error
+        return
+    flag = torch.tensor([failure.code], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    code = int(flag.item())
+    if code:
+        raise_agreed(what, code, failure, None, device)

@@ -1,0 +1,58 @@
+"""The same random draws wherever a micro-batch's step runs.
+
+A step's code before ``self(...)`` runs twice under the pipeline: on the rank holding the first stage (to
+capture the model's input) and on the rank holding the last stage (to compute the loss). A step that draws
+random numbers there (denoising noise, a masking pattern, an augmentation) must draw the same numbers in
+both runs, or the model is fed one draw and scored against another. Each (step, micro-batch) therefore runs
+under generator states forked from the process's and seeded from one key that every rank of a pipeline
+computes alike: the run's base seed, where the step is in training (epoch, batch index, ...), the
+micro-batch and the data-parallel replica. Replicas draw independently, as different samples do on one
+device; two runs with the same seed and layout draw identically.
+
+Generators covered: torch's CPU generator, the current CUDA device's (on GPU), NumPy's global generator and
+Python's ``random``. The process's own states are restored afterwards, so the fork leaves the stream that
+layers (dropout) and the rest of the program draw from untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with every supported torch/Lightning install
+    np = None  # type: ignore[assignment]
+
+
+def derive_seed(base_seed: int, key: Sequence[int]) -> int:
+    """A 63-bit seed from ``base_seed`` and an integer key, stable across processes and Python runs."""
+    text = ",".join(str(int(k)) for k in (base_seed, *key)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@contextmanager
+def forked_random_state(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside the block every covered generator starts from ``seed``; outside, nothing changed."""
+    cuda = device.type == "cuda"
+    torch_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if cuda else None
+    numpy_state = np.random.get_state() if np is not None else None
+    python_state = random.getstate()
+    try:
+        torch.manual_seed(seed)  # seeds the CPU generator and every CUDA device's
+        if np is not None:
+            np.random.seed(seed % 2**32)
+        random.seed(seed)
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        if numpy_state is not None:
+            np.random.set_state(numpy_state)
+        random.setstate(python_state)
