@@ -61,6 +61,12 @@ def call_module_hook(trainer: Trainer, hook: str, *args: Any) -> Any:
     return lightning_call._call_lightning_module_hook(trainer, hook, *args)
 
 
+def should_accumulate(trainer: Trainer) -> bool:
+    """Whether the running training batch is one of an accumulation window's batches before its last (Lightning's
+    own decision, which also ends a window early at an epoch's last batch)."""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
 def request_train_dataloader(trainer: object) -> object:
     """The training DataLoader as the user defined it (before Lightning adds a distributed sampler)."""
     return _request_dataloader(trainer.fit_loop._data_source)  # type: ignore[attr-defined]
@@ -187,6 +193,7 @@ __all__ = [
     "set_metric_step_value",
     "set_skip_backward",
     "setup_distributed",
+    "should_accumulate",
     "store_precision_plugin",
     "stored_precision_plugin",
     "unwrap_optimizer",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class Pipeline:
         self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
         # True while the user's step code runs here; collectives called then are refused (see user_step)
         self.running_user_code = False
-        self._schedules: dict[tuple[Any, ...], PlannedSchedule] = {}
+        self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule] = OrderedDict()
         self._active: _ActiveStep | None = None
         self._schedule_in_use: PlannedSchedule | None = None
         self._warned_microbatches: set[tuple[int, int]] = set()
@@ -131,15 +132,21 @@ class Pipeline:
         validate(compute, p, v, num_microbatches, backward=train)
         return compute
 
-    def lowered_schedule(self, train: bool, num_microbatches: int) -> Schedule:
-        return lower(self.compute_schedule(train, num_microbatches), self.sharding, num_microbatches)
+    def lowered_schedule(self, train: bool, num_microbatches: int, *, reduce_grads: bool = True) -> Schedule:
+        compute = self.compute_schedule(train, num_microbatches)
+        return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads)
 
-    def _schedule_for(self, train: bool, num_microbatches: int, signature: Any) -> PlannedSchedule:
-        key = (train, num_microbatches, signature)
+    def _schedule_for(
+        self, train: bool, num_microbatches: int, signature: Any, reduce_grads: bool = True
+    ) -> PlannedSchedule:
+        """The schedule for this step's kind and batch shape: built once, kept in a least-recently-used cache."""
+        key = (train, num_microbatches, signature, reduce_grads)
         schedule = self._schedules.get(key)
-        if schedule is None:
+        if schedule is not None:
+            self._schedules.move_to_end(key)
+        else:
             if len(self._schedules) >= _MAX_CACHED_SCHEDULES:
-                self._schedules.pop(next(iter(self._schedules)))
+                self._schedules.popitem(last=False)
             stages = build_stages(
                 self.stage_modules,
                 self.local_stages,
@@ -149,7 +156,7 @@ class Pipeline:
             )
             schedule = PlannedSchedule(
                 stages,
-                self.lowered_schedule(train, num_microbatches),
+                self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads),
                 num_microbatches,
                 self._loss_fn,
                 pipeline_parallel_size=self.plan.pipeline_parallel_size,
@@ -171,6 +178,7 @@ class Pipeline:
         tracer: StepTracer | None = None,
         step_key: Sequence[int] = (),
         last_batch: bool = False,
+        reduce_grads: bool = True,
     ) -> StepResult:
         """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch.
 
@@ -179,11 +187,14 @@ class Pipeline:
         ``step_key`` says where the step is (e.g. epoch and batch index): with the micro-batch index and the
         data-parallel rank it seeds the step's random draws, identically on the first and the last stage.
         ``last_batch`` marks the loader's last batch, which may be smaller (see :func:`microbatch_count`).
+        ``reduce_grads=False`` (a batch of a gradient-accumulation window before its last) runs the schedule
+        without its gradient reductions: FSDP2 keeps adding to the unsharded gradients until a step reduces.
 
         An error in the user's code on some ranks (input capture on the first stage, the loss and logging on
         the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet:
         before the schedule for the capture, in the logged-value sync after it for the rest.
         """
+        self._prefetch_first_stage()
         step = getattr(self.module, step_name)
         failure = StepFailure()
         num_microbatches, microbatches, signature = 0, [], None
@@ -208,7 +219,7 @@ class Pipeline:
         except Exception as error:
             failure.record(error, self.rank_label)
         self._agree_before_schedule(step_name, signature, num_microbatches, failure)
-        schedule = self._schedule_for(train, num_microbatches, signature)
+        schedule = self._schedule_for(train, num_microbatches, signature, reduce_grads or not train)
         result = StepResult(num_microbatches=num_microbatches, step_name=step_name)
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
@@ -223,6 +234,16 @@ class Pipeline:
         finally:
             self._active = None
         return result
+
+    def _prefetch_first_stage(self) -> None:
+        """Start gathering the weights of this rank's first stage (the first one every schedule visits) now,
+        so that the gather overlaps the step's host-side preparation: splitting the batch, capturing the
+        model's input, the ranks' agreement. The schedule's own UNSHARD then finds it in flight and waits for
+        it where the weights are needed. Only this one stage, so at most two stages are ever unsharded at
+        once under ``full_shard``, as before.
+        """
+        if self.sharding != "no_shard":
+            self.stage_modules[0].unshard(async_op=True)
 
     @contextmanager
     def user_code(self, seed: int) -> Iterator[None]:

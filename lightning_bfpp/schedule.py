@@ -311,7 +311,12 @@ Sharding = str  # "full_shard" | "shard_grad_op" | "no_shard"
 
 
 def add_sharding_actions(
-    actions: Sequence[Action], sharding: Sharding, num_microbatches: int, *, prefetch: bool = True
+    actions: Sequence[Action],
+    sharding: Sharding,
+    num_microbatches: int,
+    *,
+    prefetch: bool = True,
+    reduce_grads: bool = True,
 ) -> list[Action]:
     """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
 
@@ -327,6 +332,10 @@ def add_sharding_actions(
 
     Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
     ``shard_grad_op``, and at most two stages' full weights resident at once with ``full_shard``.
+
+    ``reduce_grads=False`` leaves the ``REDUCE_GRAD`` actions out: for the batches of a gradient-accumulation
+    window before its last, whose gradients FSDP2 keeps unsharded and adds to until the last batch's
+    reduction (one reduction per optimizer step instead of one per batch).
 
     Written here rather than taken from torch's ``_add_unshard_reshard`` because that pass keeps up to three
     stages unsharded (a fixed look-ahead of three distinct stages), which for ``v ≤ 3`` never reshards at all
@@ -360,7 +369,8 @@ def add_sharding_actions(
         if kind is B:
             backward_count[stage] += len(run)
             if backward_count[stage] == num_microbatches:
-                out.append(Action(stage, REDUCE_GRAD))
+                if reduce_grads:
+                    out.append(Action(stage, REDUCE_GRAD))
                 finished = True
         elif not has_backward and last_forward_visit[stage] == i:
             finished = True
@@ -373,9 +383,13 @@ def add_sharding_actions(
     return out
 
 
-def lower(schedule: Mapping[int, Sequence[Action]], sharding: Sharding, num_microbatches: int) -> Schedule:
+def lower(
+    schedule: Mapping[int, Sequence[Action]], sharding: Sharding, num_microbatches: int, *, reduce_grads: bool = True
+) -> Schedule:
     """:func:`add_sharding_actions` applied to every rank."""
-    return {r: add_sharding_actions(a, sharding, num_microbatches) for r, a in schedule.items()}
+    return {
+        r: add_sharding_actions(a, sharding, num_microbatches, reduce_grads=reduce_grads) for r, a in schedule.items()
+    }
 
 
 def _visits(actions: Sequence[Action]) -> list[tuple[int, Kind, list[Action]]]:

@@ -398,6 +398,8 @@ class BFPPStrategy(ModelParallelStrategy):
                 tracer=tracer,
                 step_key=(0, trainer.current_epoch, batch_idx),
                 last_batch=trainer.fit_loop.epoch_loop.batch_progress.is_last_batch,
+                # within an accumulation window gradients are reduced once, with the window's last batch
+                reduce_grads=not lc.should_accumulate(trainer),
             )
         sync_start = tracer.now() if tracer is not None else 0.0
         lc.call_callback_hooks(trainer, "on_after_backward")

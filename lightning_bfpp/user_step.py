@@ -29,7 +29,10 @@ from torchmetrics import Metric
 from lightning_bfpp._compat import instance_attributes, tree_flatten
 from lightning_bfpp._lightning_compat import metric_state_snapshot, metric_step_value, restore_metric_state
 
-_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+# `self.log`'s options and defaults, read once: a step logs per micro-batch, so no per-call signature binding
+_LOG_OPTIONS = list(inspect.signature(LightningModule.log).parameters.values())[3:]  # after self, name, value
+_LOG_DEFAULTS = {p.name: p.default for p in _LOG_OPTIONS}
+_LOG_POSITIONAL = tuple(p.name for p in _LOG_OPTIONS if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class _ModelInputCaptured(BaseException):
@@ -182,11 +185,12 @@ class LogRecorder:
     records: list[LoggedValue] = field(default_factory=list)
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
-        bound.apply_defaults()
-        options = dict(bound.arguments)
-        for key in ("self", "name", "value"):
-            options.pop(key)
+        if len(args) > len(_LOG_POSITIONAL):
+            raise TypeError(f"`self.log` takes at most {2 + len(_LOG_POSITIONAL)} positional arguments")
+        unknown = kwargs.keys() - _LOG_DEFAULTS.keys()
+        if unknown:
+            raise TypeError(f"`self.log` got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        options = {**_LOG_DEFAULTS, **dict(zip(_LOG_POSITIONAL, args, strict=False)), **kwargs}
         if isinstance(value, numbers.Number):
             value = torch.tensor(value, dtype=torch.float32)
         if isinstance(value, torch.Tensor):

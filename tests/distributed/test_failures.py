@@ -105,6 +105,15 @@ case("layers_non_module", "layers_non_module", "item 2 is a builtin_function_or_
 case("layers_twice", "layers_twice", "lists the module `blocks.0` twice")
 case("layers_change", "layers_change", "`pipeline_layers()` returned different layers")
 case("more_stages_than_layers", "none", "returns 10 layers, fewer than the 16 stages", strategy={"stages_per_rank": 8})
+# the planner runs on global rank 0 only: its failure (here: a meta-device model it cannot measure) is shared
+case(
+    "planner_on_rank0",
+    "none",
+    "planning on global rank 0 failed",
+    "the model is on the meta device. Pass `plan_profile=`",
+    strategy={"pipeline_parallel_size": "auto"},
+    checks=["empty_init"],
+)
 # configuration
 case(
     "pp_not_dividing_world",

@@ -9,6 +9,8 @@ otherwise.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -29,6 +31,14 @@ RUNS = {
         # two batches of 16 accumulated = one batch of 32 on one device
         run(
             "accumulate",
+            trainer={"accumulate_grad_batches": 2, "max_steps": 3},
+            reference={"local_batch_size": 16, "trainer": {"max_steps": 3}},
+        ),
+        # windows of 3 batches over epochs of 4: the epoch's last batch ends a window early (one device too)
+        run("accumulate_epoch_end", trainer={"accumulate_grad_batches": 3, "max_epochs": 2, "max_steps": -1}),
+        run(
+            "accumulate_replicated",
+            strategy={"sharding": "no_shard"},
             trainer={"accumulate_grad_batches": 2, "max_steps": 3},
             reference={"local_batch_size": 16, "trainer": {"max_steps": 3}},
         ),
@@ -81,12 +91,28 @@ def test_clipping_uses_the_whole_models_norm(results):
         assert [s["grad_norm"] for s in rank_result["steps"]] == pytest.approx(norms, rel=TOL)
 
 
-def test_accumulation_equals_a_larger_batch(results):
+def test_accumulation_window_cut_by_the_epoch_end_matches_one_device(results):
     _, res = results
-    ref = reference_run(RUNS["accumulate"])
-    assert len(ref.steps) == 3 and len(res["accumulate"].steps(0)) == 6  # 6 batches, 3 optimizer steps
-    assert res["accumulate"].ranks[0]["holdings"]["counters"]["global_step"] == 3
-    assert_params_match(res["accumulate"], ref, tol=TOL)
+    ref = reference_run(RUNS["accumulate_epoch_end"])
+    assert res["accumulate_epoch_end"].ranks[0]["holdings"]["counters"] == ref.extras["counters"]
+    assert ref.extras["counters"]["global_step"] == 4  # per epoch: a window of 3 batches, then one of 1
+    assert_params_match(res["accumulate_epoch_end"], ref, tol=TOL)
+
+
+@pytest.mark.parametrize("name", ["accumulate", "accumulate_replicated"])
+def test_accumulation_equals_a_larger_batch_and_reduces_once_per_optimizer_step(name, results):
+    _, res = results
+    ref = reference_run(RUNS[name])
+    assert len(ref.steps) == 3 and len(res[name].steps(0)) == 6  # 6 batches, 3 optimizer steps
+    assert res[name].ranks[0]["holdings"]["counters"]["global_step"] == 3
+    assert_params_match(res[name], ref, tol=TOL)
+    for rank_result in res[name].ranks:
+        local = [rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2)]
+        for step in (1, 2, 3):  # events are keyed by optimizer step: both batches of a window count here
+            events = [(kind, stage) for s, kind, stage, _ in rank_result["events"] if s == step]
+            # two batches of 4 micro-batches ran, but each stage's gradients were reduced once
+            assert Counter(stage for kind, stage in events if kind == "forward") == Counter(dict.fromkeys(local, 8))
+            assert Counter(stage for kind, stage in events if kind == "reduce") == Counter(dict.fromkeys(local, 1))
 
 
 def test_validation_metrics_match_and_run_mid_epoch(results):

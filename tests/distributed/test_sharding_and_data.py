@@ -130,6 +130,20 @@ def test_prefetched_gathers_complete_while_the_previous_stage_computes(results):
                 assert done < end, f"{where} gather completed {1e3 * (done - end):.1f} ms after the {kind} sweep"
 
 
+def test_the_first_gather_of_a_step_is_issued_before_its_host_side_preparation(results):
+    """Each step's first gather starts before the batch is split and the input captured, not after: by the time
+    the ranks agree to start the schedule it is already in flight (steady state: steps 2 and 3)."""
+    _, res = results
+    for rank_result in res["prefetch_timing"].ranks:
+        first = rank_result["holdings"]["pipeline_rank"]
+        for step in (2, 3):
+            timed = [e for e in rank_result["timed"] if e[0] == step]
+            issued = min(t for _, w, s, _, t in timed if w == "gather_issued" and s == first)
+            agreed = min(t for _, w, _, _, t in timed if w == "agree")
+            forward = min(t for _, w, s, _, t in timed if w == "forward_start" and s == first)
+            assert issued < agreed < forward, (step, issued, agreed, forward)
+
+
 def test_each_rank_holds_only_its_shard_of_its_stages(results):
     _, res = results
     for name in ("full_m4", "meta_init"):

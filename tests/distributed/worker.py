@@ -122,6 +122,18 @@ class EventLog:
         finally:
             self.timed.append([self.step, f"{what}_end", stage, microbatch, time.perf_counter()])
 
+    def install_step_marks(self) -> None:
+        """Mark when each step reaches the ranks' agreement before its schedule (its host-side preparation done)."""
+        from lightning_bfpp.pipeline import Pipeline
+
+        agree, log = Pipeline._agree_before_schedule, self
+
+        def marked(pipeline: Any, *args: Any, **kwargs: Any) -> Any:
+            log.timed.append([log.step, "agree", None, None, time.perf_counter()])
+            return agree(pipeline, *args, **kwargs)
+
+        Pipeline._agree_before_schedule = marked  # type: ignore[method-assign]
+
     def stage_of(self, fsdp_params: list[Any]) -> int:
         return self.stage_of_param.get(id(fsdp_params[0].sharded_param), -1)
 
@@ -313,6 +325,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     events = EventLog()
     events.install()
+    events.install_step_marks()
     for run in spec["runs"]:
         run_one(RunSpec(**run), spec["devices"], out / run["name"], events)
 

@@ -247,3 +247,14 @@ def test_depth_first_gathers_more_than_breadth_first_under_full_shard():
     }
     assert gathers["breadth_first"] == 2 * v - 1
     assert gathers["depth_first"] >= 4 * gathers["breadth_first"]  # about 2m/N per stage
+
+
+def test_a_schedule_inside_an_accumulation_window_has_no_reductions_but_the_same_gathers():
+    from lightning_bfpp.schedule import REDUCE_GRAD, breadth_first, lower
+
+    compute = breadth_first(2, 2, 4)
+    with_reduce = lower(compute, "full_shard", 4)
+    without = lower(compute, "full_shard", 4, reduce_grads=False)
+    for rank in compute:
+        assert [a for a in with_reduce[rank] if a.kind is not REDUCE_GRAD] == without[rank]
+        assert sum(a.kind is REDUCE_GRAD for a in with_reduce[rank]) == 2

@@ -1,0 +1,178 @@
+"""The configurations of the suite, and the four ratios the package is judged on.
+
+(a) p=4 v=2 m=4 without data parallelism, emulated: bfpp's fraction of the analytic bound, beside torch's
+    schedules on the same stages and Lightning's FSDP without a pipeline.
+(b) p=2 v=4 m=2, 16 layers of 2M fp32 parameters, emulated: ``full_shard`` over dp=2 against the same
+    pipeline without data parallelism, and bfpp against ``ScheduleLoopedBFS`` with FSDP2 (and the others), FSDP2
+    set up as torchtitan does under pipelining and, for LoopedBFS, also with FSDP2's default resharding.
+(c) real compute, the small GPT: bfpp (p=2 v=2 m=8, 2 processes × 1 thread) against one process and against
+    the machine's two-process capacity (two independent one-thread processes at micro-batch size), both
+    measured in the same run, before and after the pipelined runs.
+(d) Lightning's overhead: bfpp through Lightning against the same lowered schedule driven by hand, on (a)'s
+    layout and on (c)'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from benchmarks.suite.report import Row, Spread
+from benchmarks.suite.spec import Emulated, GPTSpec, Job
+
+TITLES = {
+    "a": "(a) emulated, p=4 v=2 m=4, no data parallelism",
+    "b": "(b) emulated, p=2 v=4 m=2, 16 × 2M fp32 params, dp=2",
+    "c": "(c) real compute: small GPT, 1 thread per process",
+}
+
+# (a): 16 layers of 5 ms forward, 10 ms backward per micro-batch; small weights and activations
+EMULATED_A = Emulated(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
+# (b): the same times, 2M fp32 parameters (8 MiB) per layer: sharded communication matters
+EMULATED_B = replace(EMULATED_A, param_numel=2_000_000)
+GPT = GPTSpec(layers=8, dim=128, heads=4, block_size=16)
+GPT_MICROBATCH = 32
+
+
+def jobs(full: bool) -> list[Job]:
+    """Every job of a mode, in the order they run (full mode: the same list, three rounds, plus variants)."""
+    a = dict(group="a", processes=4, p=4, v=2, m=4, emulated=EMULATED_A)
+    a_flat = dict(a, v=1)  # non-looped schedules: 4 layers per stage
+    b = dict(group="b", processes=4, p=2, v=4, m=2, dp=2, emulated=EMULATED_B)
+    b_flat = dict(b, v=1)
+    c = dict(group="c", model="gpt", gpt=GPT, microbatch_size=GPT_MICROBATCH)
+    c_pipe = dict(c, processes=2, p=2, v=2, m=8)
+    capacity = dict(c, kind="independent", warmup=3, steps=60 if full else 30)
+    # fmt: off
+    group_a = [
+        Job("a/bfpp", kind="bfpp", label="bfpp (Lightning)", reference=True, **a),
+        Job("a/bfpp_hand", kind="bfpp_hand", label="bfpp schedule by hand", **a),
+        Job("a/LoopedBFS", kind="torch", label="torch LoopedBFS", schedule="LoopedBFS", **a),
+        Job("a/Interleaved1F1B", kind="torch", label="torch Interleaved1F1B", schedule="Interleaved1F1B", **a),
+        Job("a/GPipe", kind="torch", label="torch GPipe", schedule="GPipe", **a_flat),
+        Job("a/1F1B", kind="torch", label="torch 1F1B", schedule="1F1B", **a_flat),
+        Job("a/fsdp", group="a", kind="fsdp", label="Lightning ModelParallel (FSDP2)", processes=4, m=1,
+            emulated=EMULATED_A),
+    ]
+    group_b = [
+        Job("b/bfpp", kind="bfpp", label="bfpp (Lightning)", reference=True, **b),
+        Job("b/bfpp_nodp", kind="bfpp", label="bfpp (Lightning), no data parallelism", **dict(b, processes=2, dp=1)),
+        Job("b/bfpp_hand", kind="bfpp_hand", label="bfpp schedule by hand", **b),
+        Job("b/LoopedBFS", kind="torch", label="torch LoopedBFS + FSDP2", schedule="LoopedBFS", **b),
+        Job("b/LoopedBFS_reshard", kind="torch", label="torch LoopedBFS + FSDP2 (FSDP2's default resharding)",
+            schedule="LoopedBFS", reshard_after_forward=True, **b),
+        Job("b/Interleaved1F1B", kind="torch", label="torch Interleaved1F1B + FSDP2", schedule="Interleaved1F1B",
+            **b),
+        Job("b/GPipe", kind="torch", label="torch GPipe + FSDP2", schedule="GPipe", **b_flat),
+        Job("b/1F1B", kind="torch", label="torch 1F1B + FSDP2", schedule="1F1B", **b_flat),
+        Job("b/fsdp", group="b", kind="fsdp", label="Lightning ModelParallel (FSDP2)", processes=4, m=1,
+            emulated=EMULATED_B),
+    ]
+    group_c = [  # the machine's capacity before and after the pipelined runs, as it drifts
+        Job("c/one_before", label="one process (before)", processes=1, **capacity),
+        Job("c/two_before", label="two independent processes (before)", processes=2, **capacity),
+        Job("c/bfpp", kind="bfpp", label="bfpp (Lightning)", reference=True, **c_pipe),
+        Job("c/bfpp_hand", kind="bfpp_hand", label="bfpp schedule by hand", **c_pipe),
+        Job("c/two_after", label="two independent processes (after)", processes=2, **capacity),
+        Job("c/one_after", label="one process (after)", processes=1, **capacity),
+    ]
+    if full:  # schedule and sharding variants of bfpp itself
+        group_a.insert(2, Job("a/bfpp_depth_first", kind="bfpp", label="bfpp depth_first (Lightning)",
+                              schedule="depth_first", **a))
+        group_b.insert(3, Job("b/bfpp_shard_grad_op", kind="bfpp", label="bfpp shard_grad_op (Lightning)",
+                              **dict(b, sharding="shard_grad_op")))
+    listed = group_a + group_b + group_c
+    # fmt: on
+    warmup, steps = (2, 10) if full else (2, 5)
+    return [j if j.kind == "independent" else j.with_steps(warmup, steps) for j in listed]
+
+
+def capacity_row(rows: list[Row], processes: int = 2) -> Row | None:
+    """What ``processes`` independent processes delivered: the mean of the medians measured before and after the
+    pipelined runs, with the lowest and highest step rates of either."""
+    prefix = {1: "c/one", 2: "c/two"}[processes]
+    parts = [r for r in rows if r.name in (f"{prefix}_before", f"{prefix}_after") and r.samples_per_s]
+    spreads = [r.samples_per_s for r in parts if r.samples_per_s is not None]
+    if not spreads:
+        return None
+    mean = Spread(
+        min(s.min for s in spreads), sum(s.median for s in spreads) / len(spreads), max(s.max for s in spreads)
+    )
+    label = "two-process capacity" if processes == 2 else "one process"
+    return replace(parts[0], name=prefix, label=label, samples_per_s=mean)
+
+
+def _num(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0f}"
+
+
+def targets(rows: list[Row]) -> list[str]:
+    """The judged ratios, as Markdown bullet lines; a ratio whose rows did not run (or failed) says so."""
+    by = {r.name: r for r in rows if r.ok}
+
+    def step(name: str) -> float | None:
+        row = by.get(name)
+        return row.step_ms.median if row is not None and row.step_ms is not None else None
+
+    def rate(row: Row | None) -> float | None:
+        return row.samples_per_s.median if row is not None and row.samples_per_s is not None else None
+
+    def bound(name: str) -> float | None:
+        row = by.get(name)
+        return row.bound_ms if row is not None else None
+
+    lines: list[str] = []
+    a, a_bound = step("a/bfpp"), bound("a/bfpp")
+    if a and a_bound:
+        lines.append(
+            f"- **(a)** bfpp at p=4 v=2 m=4, dp=1: **{a_bound / a:.2f}** of the analytic bound ({a_bound:.0f} ms"
+            f" against a median step of {a:.0f} ms)."
+        )
+    else:
+        lines.append("- **(a)**: not measured in this run.")
+    b, nodp, b_bound = step("b/bfpp"), step("b/bfpp_nodp"), bound("b/bfpp")
+    if b and nodp and b_bound:
+        lines.append(
+            f"- **(b)** `full_shard` over dp=2: **{b_bound / b:.2f}** of the bound, against **{b_bound / nodp:.2f}**"
+            f" for the same pipeline without data parallelism (median step {b:.0f} ms against {nodp:.0f} ms for the"
+            f" same work per rank: sharded data parallelism costs {1 - nodp / b:.0%} of the step)."
+        )
+    else:
+        lines.append("- **(b)** data parallelism against none: not measured in this run.")
+    for name, setting in (
+        ("b/LoopedBFS", "`reshard_after_forward=False`, torchtitan's setting under pipelining"),
+        ("b/LoopedBFS_reshard", "FSDP2's default `reshard_after_forward=True`"),
+    ):
+        peer, peer_row, ours = step(name), by.get(name), by.get("b/bfpp")
+        if b and peer and b_bound and peer_row and ours:
+            lines.append(
+                f"- **(b)** bfpp against torch `ScheduleLoopedBFS` + FSDP2 ({setting}) on the same job: LoopedBFS"
+                f" takes **{peer / b:.2f}×** bfpp's step ({b_bound / peer:.2f} of the bound; weight gathers per rank"
+                f" and step {_num(peer_row.gathers_per_step)} against bfpp's {_num(ours.gathers_per_step)}, peak"
+                f" memory {_num(peer_row.peak_mib)} MiB against {_num(ours.peak_mib)} MiB)."
+            )
+        else:
+            lines.append(f"- **(b)** bfpp against LoopedBFS ({setting}): not measured in this run.")
+    c, one, capacity = rate(by.get("c/bfpp")), rate(capacity_row(rows, 1)), rate(capacity_row(rows))
+    if c and one and capacity:
+        lines.append(
+            f"- **(c)** bfpp small GPT (p=2 v=2 m=8, 2 processes × 1 thread): {c:.0f} samples/s, **{c / capacity:.2f}**"
+            f" of the machine's two-process capacity measured in the same run ({capacity:.0f} samples/s, itself"
+            f" {capacity / one:.2f}× one process) and {c / one:.2f}× one process ({one:.0f} samples/s)."
+        )
+        if capacity < 1.5 * one:
+            lines.append(
+                f"  Two independent processes delivered only {capacity / one:.2f}× one process: the cores were"
+                " shared with other work during this run, and (c) is measured against what was left of them."
+            )
+    else:
+        lines.append("- **(c)**: not measured in this run.")
+    for layout, group in (("(a)'s", "a"), ("(c)'s", "c")):
+        through, by_hand = step(f"{group}/bfpp"), step(f"{group}/bfpp_hand")
+        if through and by_hand:
+            lines.append(
+                f"- **(d)** on {layout} layout, bfpp through Lightning takes **{through / by_hand:.2f}×** the step of"
+                f" the same lowered schedule driven by hand ({through:.1f} ms against {by_hand:.1f} ms)."
+            )
+        else:
+            lines.append(f"- **(d)** on {layout} layout: not measured in this run.")
+    return lines

@@ -1,0 +1,226 @@
+"""One function per implementation; each runs in every process of a job and returns that rank's record.
+
+All of them train the same model (:func:`benchmarks.suite.models.model_parts`) on the same global batch, split
+into stages the same way (``balance_by_weight`` over parameter counts, as ``BFPPStrategy`` does), with the
+same loss and optimizer, and mark their steps with the same :class:`~benchmarks.suite.instrument.StepClock`:
+
+- ``bfpp``: ``BFPPStrategy`` through a Lightning ``Trainer`` (what a user runs);
+- ``bfpp_hand``: the schedule bfpp generates and lowers (``lightning_bfpp.schedule``), sharded per stage by
+  ``lightning_bfpp.sharding.shard_stage`` and executed by ``lightning_bfpp.runtime.PlannedSchedule``, driven
+  by a plain loop: Lightning's share of the step is the difference with ``bfpp``;
+- ``torch``: ``torch.distributed.pipelining``'s own schedule classes over the same stages, with FSDP2 applied
+  directly when there is data parallelism: ``fully_shard(stage, reshard_after_forward=False)``, torchtitan's
+  choice under pipelining, so that the runtime's UNSHARD / RESHARD actions decide, or FSDP2's default
+  (``True``: every micro-batch's forward gathers the stage again);
+- ``fsdp``: Lightning's ``ModelParallelStrategy`` (FSDP2 per layer, no pipeline), each rank on its share of the
+  global batch;
+- ``independent``: processes without any communication, each training the whole model on one micro-batch per
+  step: the machine's capacity for this model, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from threading import Barrier
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining.schedules as pp_schedules
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from benchmarks.suite.instrument import MEMORY, StepClock
+from benchmarks.suite.models import ModelParts, lightning_module, model_parts, train_loader
+from benchmarks.suite.spec import SINGLE_STAGE_SCHEDULES, Job
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.partition import balance_by_weight, rank_stages
+from lightning_bfpp.runtime import PlannedSchedule, build_stages
+from lightning_bfpp.schedule import generate, lower, validate
+from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
+
+CPU = torch.device("cpu")
+
+
+def run(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
+    """Run ``job`` as process ``rank`` and return what this rank measured."""
+    if job.kind == "independent":
+        return _independent(job, barrier)
+    workers: dict[str, Callable[[Job, int], dict[str, Any]]] = {
+        "bfpp": _bfpp_lightning,
+        "fsdp": _fsdp_lightning,
+        "bfpp_hand": _bfpp_by_hand,
+        "torch": _torch_schedule,
+    }
+    return workers[job.kind](job, rank)
+
+
+# -- through Lightning ----------------------------------------------------------------------------------------
+
+
+class _LightningClock(L.Callback):
+    """Marks every step's start and the last step's end (the interval includes the optimizer and data)."""
+
+    def __init__(self, clock: StepClock, total_steps: int) -> None:
+        self.clock = clock
+        self.total_steps = total_steps
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.clock.mark()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.total_steps:
+            self.clock.mark()
+
+
+def _trainer(job: Job, strategy: Any, clock: StepClock) -> L.Trainer:
+    total = job.warmup + job.steps
+    return L.Trainer(
+        accelerator="cpu", devices=job.processes, strategy=strategy, max_steps=total,
+        callbacks=[_LightningClock(clock, total)], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+
+
+def _bfpp_lightning(job: Job, rank: int) -> dict[str, Any]:
+    clock = StepClock(job.warmup)
+    strategy = BFPPStrategy(
+        pipeline_parallel_size=job.p, stages_per_rank=job.v, num_microbatches=job.m, schedule=job.schedule,
+        sharding=job.sharding,
+    )  # fmt: skip
+    trainer = _trainer(job, strategy, clock)
+    trainer.fit(lightning_module(job), train_loader(job, job.m * job.microbatch_size, job.dp))
+    return clock.result()
+
+
+def _fsdp_lightning(job: Job, rank: int) -> dict[str, Any]:
+    clock = StepClock(job.warmup)
+    strategy = ModelParallelStrategy(data_parallel_size=job.processes, tensor_parallel_size=1)
+    trainer = _trainer(job, strategy, clock)
+    trainer.fit(lightning_module(job), train_loader(job, job.m * job.microbatch_size, job.processes))
+    return clock.result()
+
+
+# -- driven by hand ------------------------------------------------------------------------------------------
+
+
+class _Stages:
+    """This rank's part of the job: mesh, stage modules (unsharded), and where the pipeline starts and ends."""
+
+    def __init__(self, job: Job, parts: ModelParts, rank: int) -> None:
+        dist.init_process_group("gloo", rank=rank, world_size=job.processes)
+        self.mesh: DeviceMesh = init_device_mesh(
+            "cpu", (job.dp, job.p), mesh_dim_names=(DATA_PARALLEL, PIPELINE_PARALLEL)
+        )
+        self.pipeline_rank = self.mesh[PIPELINE_PARALLEL].get_local_rank()
+        self.data_parallel_rank = self.mesh[DATA_PARALLEL].get_local_rank()
+        self.num_stages = job.p * job.v
+        weights = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
+        counts = balance_by_weight(weights, self.num_stages)
+        starts = [sum(counts[:s]) for s in range(self.num_stages)]
+        self.indices = rank_stages(self.pipeline_rank, job.p, job.v)
+        self.modules: list[nn.Module] = [
+            nn.Sequential(*parts.layers[starts[s] : starts[s] + counts[s]]) for s in self.indices
+        ]
+        parts.layers.clear()  # drop the other ranks' layers
+        self.first = 0 in self.indices
+        self.last = self.num_stages - 1 in self.indices
+
+
+def _batches(job: Job, parts: ModelParts, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rows = job.m * job.microbatch_size
+    return [parts.make_batch(rows, seed=1000 * step + replica) for step in range(job.warmup + job.steps)]
+
+
+def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
+    parts = model_parts(job)
+    here = _Stages(job, parts, rank)
+    modules = [shard_stage(module, here.mesh[DATA_PARALLEL], job.sharding) for module in here.modules]
+    compute = generate(job.schedule, job.p, job.v, job.m)
+    validate(compute, job.p, job.v, job.m)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return parts.loss(output, target) / job.m  # bfpp scales each micro-batch's loss, torch's grads (same thing)
+
+    stages = build_stages(modules, here.indices, here.num_stages, CPU, here.mesh[PIPELINE_PARALLEL].get_group())
+    schedule = PlannedSchedule(
+        stages, lower(compute, job.sharding, job.m), job.m, loss_fn, pipeline_parallel_size=job.p, backward=True
+    )
+    optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
+    clock = StepClock(job.warmup)
+    for inputs, targets in _batches(job, parts, here.data_parallel_rank):
+        clock.mark()
+        args = [(x,) for x in inputs.chunk(job.m)] if here.first else None
+        kwargs: list[dict[str, Any]] | None = [{} for _ in range(job.m)] if here.first else None
+        schedule.run(args, kwargs, list(targets.chunk(job.m)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    clock.mark()
+    _finish()
+    return clock.result()
+
+
+def _torch_schedule(job: Job, rank: int) -> dict[str, Any]:
+    parts = model_parts(job)
+    here = _Stages(job, parts, rank)
+    modules: Sequence[nn.Module] = here.modules
+    if job.dp > 1:
+        mesh, reshard = here.mesh[DATA_PARALLEL], job.reshard_after_forward
+        modules = [fully_shard(module, mesh=mesh, reshard_after_forward=reshard) for module in modules]
+    group = here.mesh[PIPELINE_PARALLEL].get_group()
+    stages = [
+        PipelineStage(module, s, here.num_stages, CPU, group=group)
+        for module, s in zip(modules, here.indices, strict=True)
+    ]
+    schedule_class = getattr(pp_schedules, f"Schedule{job.schedule}")
+    if job.schedule in SINGLE_STAGE_SCHEDULES:
+        schedule = schedule_class(stages[0], n_microbatches=job.m, loss_fn=parts.loss)
+    else:
+        schedule = schedule_class(stages, n_microbatches=job.m, loss_fn=parts.loss)
+    optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
+    clock = StepClock(job.warmup)
+    for inputs, targets in _batches(job, parts, here.data_parallel_rank):
+        clock.mark()
+        args = (inputs,) if here.first else ()
+        schedule.step(*args, target=targets if here.last else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    clock.mark()
+    _finish()
+    return clock.result()
+
+
+def _independent(job: Job, barrier: Barrier | None) -> dict[str, Any]:
+    parts = model_parts(job)
+    model = nn.Sequential(*parts.layers)
+    optimizer = parts.optimizer(list(model.parameters()))
+    batches = [parts.make_batch(job.microbatch_size, seed=step) for step in range(job.warmup + job.steps)]
+    if barrier is not None:
+        barrier.wait()  # the processes train at the same time: that is the capacity being measured
+    clock = StepClock(job.warmup)
+    for inputs, targets in batches:
+        clock.mark()
+        parts.loss(model(inputs), targets).backward()
+        MEMORY.sample()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    clock.mark()
+    return clock.result()
+
+
+def _finish() -> None:
+    dist.barrier()  # nobody leaves while a neighbour still waits for its last transfer
+    dist.destroy_process_group()
+
+
+def child_environment(rank: int, port: int) -> None:
+    """What every launcher sets: Lightning sees processes created externally (``LOCAL_RANK``), gloo the rest,
+    and one thread per process (Lightning would otherwise pick ``cores // processes``)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1"
+    )
