@@ -38,7 +38,6 @@ from typing_extensions import override
 from lightning_bfpp import _compat, auto, clipping
 from lightning_bfpp import _lightning_compat as lc
 from lightning_bfpp import checkpoint as checkpoint_io
-from lightning_bfpp import trace as trace_io
 from lightning_bfpp.agreement import AgreedError, agree, agree_on_failure
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.failures import FailureWatchdog
@@ -58,7 +57,7 @@ from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
-from lightning_bfpp.trace import StepTracer
+from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
 
 if TYPE_CHECKING:
@@ -160,9 +159,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self._plan_profile = plan_profile
         self.trace_dir = Path(trace) if trace is not None else None
         self.trace_steps = trace_steps
-        self._tracer: StepTracer | None = None
-        self._traced_steps = 0
-        self._pending_trace: tuple[int, float] | None = None
+        self._trace: TraceSession | None = None
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.mesh_shape: MeshShape | None = None
         self.layout: Layout | None = None
@@ -301,9 +298,16 @@ class BFPPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.trace_dir is not None:
-                self._tracer = StepTracer(self.global_rank, self.root_device)
+                self._trace = TraceSession(
+                    self.trace_dir,
+                    self.trace_steps,
+                    self.global_rank,
+                    self.world_size,
+                    self.root_device,
+                    report=rank_zero_info,
+                )
                 for optimizer in self.optimizers:
-                    optimizer.register_step_post_hook(self._trace_optimizer_step)
+                    optimizer.register_step_post_hook(self._trace.optimizer_step_hook)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             lc.optimizers_to_device(self.optimizers, self.root_device)
@@ -387,7 +391,7 @@ class BFPPStrategy(ModelParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             self._zero_grad(trainer, batch_idx)
-        tracer = self._start_trace()
+        tracer = self._trace.start_step() if self._trace is not None else None
         with self.precision_plugin.train_step_context():
             result = self.pipeline.run(
                 "training_step",
@@ -405,52 +409,24 @@ class BFPPStrategy(ModelParallelStrategy):
         lc.call_callback_hooks(trainer, "on_after_backward")
         lc.call_module_hook(trainer, "on_after_backward")
         loss = self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
-        if tracer is not None:
+        if tracer is not None and self._trace is not None:
             # sharing the logged values waits for the pipeline's slowest rank: part of the drain
-            end = tracer.now()
-            tracer.add("step_sync", sync_start, end)
-            self._pending_trace = (trainer.global_step, end)
+            tracer.add("step_sync", sync_start, tracer.now())
+            self._trace.end_pipeline(trainer.global_step, self._trace_title())
         return loss
 
-    # -- tracing -----------------------------------------------------------------------------------
-
-    def _start_trace(self) -> StepTracer | None:
-        if self._tracer is None:
-            return None
-        self._flush_trace()
-        if self._traced_steps >= self.trace_steps:
-            return None
-        self._tracer.start_step()
-        return self._tracer
-
-    def _trace_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._tracer is not None and self._pending_trace is not None:
-            _, pipeline_end = self._pending_trace
-            self._tracer.add("optimizer", pipeline_end, self._tracer.now())
-
-    def _flush_trace(self) -> None:
-        """Gather the last traced step's spans on global rank 0 and write them (a collective)."""
-        if self._tracer is None or self._pending_trace is None:
-            return
-        step, _ = self._pending_trace
-        self._pending_trace = None
-        self._traced_steps += 1
-        gathered: list[Any] = [None] * self.world_size if self.is_global_zero else []
-        dist.gather_object(self._tracer.spans, gathered if self.is_global_zero else None, dst=0)
-        if self.is_global_zero and self.trace_dir is not None:
-            assert self.layout is not None
-            layout = self.layout
-            title = (
-                f"{self.config.schedule}, {self.config.sharding}: p={layout.pipeline_parallel_size}"
-                f" dp={layout.data_parallel_size} v={layout.stages_per_rank} m={layout.num_microbatches}"
-                f", step {step + 1}"
-            )
-            table = trace_io.write_step([s for spans in gathered for s in spans], self.trace_dir, step + 1, title)
-            rank_zero_info(f"BFPPStrategy trace of {title} written to {self.trace_dir}\n{table}")
+    def _trace_title(self) -> str:
+        assert self.layout is not None
+        layout = self.layout
+        return (
+            f"{self.config.schedule}, {self.config.sharding}: p={layout.pipeline_parallel_size}"
+            f" dp={layout.data_parallel_size} v={layout.stages_per_rank} m={layout.num_microbatches}"
+        )
 
     @override
     def on_train_end(self) -> None:
-        self._flush_trace()
+        if self._trace is not None:
+            self._trace.flush()
 
     def _zero_grad(self, trainer: pl.Trainer, batch_idx: int) -> None:
         optimizer = trainer.optimizers[0]

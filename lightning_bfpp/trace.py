@@ -127,3 +127,62 @@ def write_step(spans: list[Span], folder: Path, step: int, title: str) -> str:
     with (folder / "summary.md").open("a") as f:
         f.write(f"\n## step {step}: {title}\n\n{table}\n")
     return table
+
+
+class TraceSession:
+    """The traced training steps of one run: start each, time its optimizer step, write it on rank 0.
+
+    Owned by ``BFPPStrategy(trace=...)``; kept out of it so that the strategy only says when a step starts,
+    when its pipeline part ends, and when training ends. Writing a step gathers every rank's spans on global
+    rank 0 (a collective), so it happens at the start of the next step or at the end of training, on every
+    rank alike.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        steps: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        report: Callable[[str], None] = print,
+    ) -> None:
+        self.folder = folder
+        self.report = report  # where rank 0 says what it wrote
+        self.steps = steps
+        self.rank = rank
+        self.world_size = world_size
+        self.tracer = StepTracer(rank, device)
+        self._written = 0
+        self._pending: tuple[int, float, str] | None = None  # (global step, pipeline end, title)
+
+    def start_step(self) -> StepTracer | None:
+        """Write the previous traced step; return the tracer if this step is traced too."""
+        self.flush()
+        if self._written >= self.steps:
+            return None
+        self.tracer.start_step()
+        return self.tracer
+
+    def end_pipeline(self, global_step: int, title: str) -> None:
+        """The step's pipeline part (schedule and logged-value sync) ended now; its optimizer step follows."""
+        self._pending = (global_step, self.tracer.now(), title)
+
+    def optimizer_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """For ``Optimizer.register_step_post_hook``: the optimizer ran from the pipeline's end until now."""
+        if self._pending is not None:
+            self.tracer.add("optimizer", self._pending[1], self.tracer.now())
+
+    def flush(self) -> None:
+        """Gather the last traced step's spans on global rank 0 and write them (a collective)."""
+        if self._pending is None:
+            return
+        step, _, title = self._pending
+        self._pending = None
+        self._written += 1
+        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(self.tracer.spans, gathered if self.rank == 0 else None, dst=0)
+        if self.rank == 0:
+            title = f"{title}, step {step + 1}"
+            table = write_step([s for spans in gathered for s in spans], self.folder, step + 1, title)
+            self.report(f"BFPPStrategy trace of {title} written to {self.folder}\n{table}")
