@@ -21,7 +21,9 @@ from typing import Any
 import torch
 import torch.distributed.pipelining.schedules as _torch_schedules
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
 )
@@ -99,6 +101,34 @@ class PipelineRuntime(PipelineScheduleRuntime):
                 f"lightning_bfpp: torch's runtime places stages on ranks {self.stage_index_to_group_rank},"
                 f" the plan on {dict(stage_to_rank)}."
             )
+
+    def replace_gradient_reduction(self, reduce: Callable[[int], bool]) -> None:
+        """Run ``reduce(stage_index)`` for each ``REDUCE_GRAD`` action instead of torch's synchronous reduction,
+        through torch's own ``register_custom_function``. ``reduce`` returns whether it also reshards the stage
+        (FSDP2's post-backward does when asked to), in which case the stage's next ``RESHARD`` only updates the
+        runtime's record of unsharded stages instead of touching the stage while its reduction may still run.
+        """
+        resharded_by_reduction: set[int] = set()
+
+        def reduce_grad(action: TorchAction, ctx: Any) -> None:
+            if reduce(action.stage_index):
+                resharded_by_reduction.add(action.stage_index)
+
+        def reshard(action: TorchAction, ctx: Any) -> None:
+            stage_index = action.stage_index
+            if stage_index in self.unshard_ops:
+                raise RuntimeError(f"lightning_bfpp: resharding stage {stage_index} before its gather finished")
+            if stage_index in resharded_by_reduction:
+                resharded_by_reduction.discard(stage_index)
+            else:
+                stage = next(s for s in self._stages if s.stage_index == stage_index)
+                for module in stage.submod.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+            self.unsharded_stages.discard(stage_index)
+
+        self.register_custom_function(TorchKind.REDUCE_GRAD, reduce_grad)
+        self.register_custom_function(TorchKind.RESHARD, reshard)
 
     @property
     def stages(self) -> list[Any]:
@@ -187,6 +217,46 @@ def instance_attributes(module: nn.Module, **attrs: Any) -> Iterator[None]:
             module.__dict__.pop(name, None)
 
 
+class ReduceScatterOn(_FSDPReduceScatter):
+    """FSDP2's reduce-scatter issued on another process group over the same ranks (``set_custom_reduce_scatter``):
+    reductions running on a communication thread must not share a group with the gathers of the main thread,
+    or ranks could issue the two in different orders on one group."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+        return super().__call__(output_tensor, input_tensor, self.group, op, async_op)
+
+
+def fsdp_post_backward(module: Any, *, final: bool = True) -> None:
+    """What torch's ``REDUCE_GRAD`` does for an FSDP2 stage (``PipelineStage.perform_reduce_grad``): reduce the
+    gradients accumulated over the step's micro-batches and reshard. ``final=False`` leaves out the root's final
+    callback, which on CUDA makes the compute stream wait for the reduction (run it later with
+    :func:`fsdp_finish_backward`)."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = _fsdp_state_of(module)
+    for sub_state in state._state_ctx.all_states:
+        for group in sub_state._fsdp_param_groups:
+            group.post_backward()
+    if final:
+        state._root_post_backward_final_callback()
+
+
+def fsdp_finish_backward(module: Any) -> None:
+    """The root's end-of-backward callback: wait for the reductions (on the compute stream) and reset state."""
+    _fsdp_state_of(module)._root_post_backward_final_callback()
+
+
+def _fsdp_state_of(module: Any) -> Any:
+    if isinstance(module, ReplicateModule):
+        return replicate.state(module)
+    return fully_shard.state(module)
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -199,12 +269,15 @@ __all__ = [
     "_METADATA_FILENAME",
     "PipelineRuntime",
     "PipelineScheduleRuntime",
+    "ReduceScatterOn",
     "TorchAction",
     "TorchKind",
     "add_send_recv",
     "check_torch_version",
     "default_store",
     "format_torch_schedule",
+    "fsdp_finish_backward",
+    "fsdp_post_backward",
     "hooked_runtime",
     "instance_attributes",
     "replicate",

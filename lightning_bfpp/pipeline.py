@@ -30,6 +30,7 @@ from lightning_bfpp.agreement import AgreedError, StepFailure, raise_agreed, ran
 from lightning_bfpp.microbatch import batch_signature, batch_size, microbatch_count, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.random_state import derive_seed, forked_random_state
+from lightning_bfpp.reductions import GradientReductions
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
@@ -86,6 +87,7 @@ class Pipeline:
         num_microbatches: int,
         microbatch_group_size: int | None = None,
         base_seed: int = 0,
+        reductions: GradientReductions | None = None,
     ) -> None:
         self.module = module
         self.plan = stage_plan
@@ -105,6 +107,8 @@ class Pipeline:
         self.rank_label = rank_name(pipeline_rank=self.pipeline_rank, data_parallel_rank=self.data_parallel_rank)
         # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.random_state)
         self.base_seed = base_seed
+        # each stage's gradient reduction overlapping the rest of the backward; None: torch's, blocking
+        self.reductions = reductions
         # the module's torchmetrics: restored after input capture, and refused to sync inside a step
         self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
         # True while the user's step code runs here; collectives called then are refused (see user_step)
@@ -161,6 +165,7 @@ class Pipeline:
                 self._loss_fn,
                 pipeline_parallel_size=self.plan.pipeline_parallel_size,
                 backward=train,
+                reductions=self.reductions,
             )
             self._schedules[key] = schedule
         return schedule
@@ -233,6 +238,9 @@ class Pipeline:
                 schedule.run(arg_mbs, kwarg_mbs, targets)
         finally:
             self._active = None
+            if self.reductions is not None and train:
+                # the gradients are complete only now, before clipping and the optimizer step
+                self.reductions.finish()
         return result
 
     def _prefetch_first_stage(self) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_bfpp._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv
 from lightning_bfpp.partition import stage_rank
+from lightning_bfpp.reductions import GradientReductions
 from lightning_bfpp.schedule import Action, Kind
 
 _TO_TORCH = {
@@ -68,6 +69,7 @@ class PlannedSchedule(PipelineRuntime):
         *,
         pipeline_parallel_size: int,
         backward: bool,
+        reductions: GradientReductions | None = None,
     ) -> None:
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         num_stages = stages[0].num_stages
@@ -76,6 +78,9 @@ class PlannedSchedule(PipelineRuntime):
         # torch adds the sends and receives; the data-parallel actions stay where our lowering put them
         with_comms = add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages)
         self.install_plan(with_comms, mapping, backward=backward)
+        if backward and reductions is not None:
+            # REDUCE_GRAD overlaps the remaining backward (see lightning_bfpp.reductions)
+            self.replace_gradient_reduction(reductions.reduce)
         self.inferring_metadata = False
 
     @contextmanager

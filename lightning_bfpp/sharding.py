@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -56,3 +57,17 @@ def shard_stage(
     if sharding in ("full_shard", "shard_grad_op"):
         return fully_shard(stage, mesh=data_parallel_mesh, reshard_after_forward=False, mp_policy=policy)
     raise ValueError(f"unknown sharding {sharding!r}")
+
+
+def second_data_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A new process group over this rank's data-parallel replicas (the same ranks as the mesh's own).
+
+    Gradient reductions run on a communication thread (see :mod:`lightning_bfpp.reductions`) while the main
+    thread gathers weights; each needs its own group, or ranks could issue the two in different orders on
+    one group. A collective over the world: every rank creates every replica group, in the same order.
+    """
+    ranks = mesh.mesh
+    dim = mesh.mesh_dim_names.index(DATA_PARALLEL)  # type: ignore[union-attr]
+    groups = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine

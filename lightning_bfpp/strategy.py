@@ -56,7 +56,14 @@ from lightning_bfpp.pipeline import Pipeline, StepResult
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
-from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+from lightning_bfpp.reductions import GradientReductions
+from lightning_bfpp.sharding import (
+    DATA_PARALLEL,
+    PIPELINE_PARALLEL,
+    build_mesh,
+    second_data_parallel_group,
+    shard_stage,
+)
 from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
 
@@ -94,6 +101,12 @@ class BFPPStrategy(ModelParallelStrategy):
             the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
         activation_checkpointing: recompute layers' activations in backward instead of storing them:
             ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
+        overlap_reductions: run each stage's gradient reduction while the rank's remaining backward computes,
+            and wait for all of them once, before clipping and the optimizer step (see
+            :mod:`lightning_bfpp.reductions`): ``"stream"`` on FSDP2's reduction stream (CUDA), ``"thread"`` on
+            a communication thread with a process group of its own (gloo). ``"auto"`` (default): ``"stream"``
+            on CUDA, off elsewhere (on this package's CPU benchmark the thread gained nothing and held more
+            memory); ``True``: the backend's way; ``False``: torch's blocking reduction.
         cluster: for ``pipeline_parallel_size="auto"``, the machine (a ``lightning_bfpp.plan.Cluster`` or its
             JSON, e.g. from ``python -m lightning_bfpp.plan calibrate``); default: this machine's devices
             and memory with assumed link bandwidths.
@@ -123,6 +136,7 @@ class BFPPStrategy(ModelParallelStrategy):
         microbatch_group_size: int | None = None,
         mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
+        overlap_reductions: bool | Literal["auto", "stream", "thread"] = "auto",
         trace: str | Path | None = None,
         trace_steps: int = 4,
         cluster: Cluster | str | Path | None = None,
@@ -144,6 +158,12 @@ class BFPPStrategy(ModelParallelStrategy):
             mesh_order=mesh_order,
         )
         self._recompute = recompute_policy(activation_checkpointing)
+        if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
+            raise ValueError(
+                "BFPPStrategy: `overlap_reductions` must be a bool, 'auto', 'stream' or 'thread', got"
+                f" {overlap_reductions!r}."
+            )
+        self.overlap_reductions = overlap_reductions
         if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:
             raise ValueError(f"BFPPStrategy: `trace_steps` must be a positive int, got {trace_steps!r}.")
         if failure_timeout is not None and (
@@ -284,8 +304,11 @@ class BFPPStrategy(ModelParallelStrategy):
             if self.mesh_shape is None:
                 self._plan_layout(trainer)
             base_seed = self._base_seed()
+            reduce_group = self._reduction_group()
             # building checks the module on every rank; some checks (layer placement) differ between ranks
-            self.pipeline = agree(lambda: self._build_pipeline(module, base_seed), "setting up the pipeline")
+            self.pipeline = agree(
+                lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline"
+            )
         elif self.pipeline.module is not module:
             raise RuntimeError(
                 "BFPPStrategy was already set up with another LightningModule; create a new strategy (and"
@@ -317,7 +340,26 @@ class BFPPStrategy(ModelParallelStrategy):
         ``seed_everything``), so that processes seeded differently, or not at all, still agree."""
         return int(self.broadcast(torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF, src=0))
 
-    def _build_pipeline(self, module: pl.LightningModule, base_seed: int) -> Pipeline:
+    def _overlap_mode(self) -> str | None:
+        """How gradient reductions overlap the backward here, or None where there is nothing to overlap."""
+        assert self.mesh_shape is not None
+        setting = self.overlap_reductions
+        if setting is False or self.mesh_shape.data_parallel_size == 1:
+            return None
+        if self.config.sharding == "no_shard":
+            return None  # replicated gradients are all-reduced by FSDP2's replicate, kept synchronous
+        if setting in ("stream", "thread"):
+            return setting
+        cuda = self.root_device.type == "cuda"
+        if setting == "auto":
+            return "stream" if cuda else None
+        return "stream" if cuda else "thread"
+
+    def _reduction_group(self) -> Any:
+        """The process group the communication thread reduces on (a collective: every rank creates all)."""
+        return second_data_parallel_group(self.device_mesh) if self._overlap_mode() == "thread" else None
+
+    def _build_pipeline(self, module: pl.LightningModule, base_seed: int, reduce_group: Any = None) -> Pipeline:
         """Split, place, shard: no collectives in here (see ``setup``: errors are agreed on afterwards)."""
         assert self.mesh_shape is not None
         named = pipeline_layers(module)
@@ -342,6 +384,14 @@ class BFPPStrategy(ModelParallelStrategy):
             names = plan.stage_layers(stage)
             stage_module = StageModule(layers, stage, names=names, is_last=stage == plan.num_stages - 1)
             stage_modules.append(shard_stage(stage_module, dp_mesh, self.config.sharding))
+        reductions = None
+        mode = self._overlap_mode()
+        if mode is not None:
+            if mode == "thread":
+                for stage_module in stage_modules:
+                    stage_module.set_custom_reduce_scatter(_compat.ReduceScatterOn(reduce_group))
+            stages = dict(zip(plan.stages_of(self.pipeline_rank), stage_modules, strict=True))
+            reductions = GradientReductions(stages, mode)  # type: ignore[arg-type]
         rank_zero_info(
             f"BFPPStrategy: pipeline_parallel_size={layout.pipeline_parallel_size},"
             f" data_parallel_size={layout.data_parallel_size}, stages_per_rank={layout.stages_per_rank},"
@@ -373,6 +423,7 @@ class BFPPStrategy(ModelParallelStrategy):
             num_microbatches=layout.num_microbatches,
             microbatch_group_size=layout.microbatch_group_size,
             base_seed=base_seed,
+            reductions=reductions,
         )
 
     # -- training ----------------------------------------------------------------------------------
@@ -562,6 +613,8 @@ class BFPPStrategy(ModelParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self.pipeline is not None and self.pipeline.reductions is not None:
+            self.pipeline.reductions.close()
         super().teardown()
 
     # -- collectives --------------------------------------------------------------------------------

@@ -78,6 +78,8 @@ class Job:
     # torch kind with dp > 1: FSDP2's own resharding after each forward (its default) or not (torchtitan's choice
     # under pipelining, where the schedule's UNSHARD / RESHARD actions decide)
     reshard_after_forward: bool = False
+    # bfpp kinds: BFPPStrategy(overlap_reductions=...): "auto" (on CPU: torch's blocking reductions) or "thread"
+    overlap_reductions: bool | str = "auto"
     model: Literal["emulated", "gpt"] = "emulated"
     emulated: Emulated = field(default_factory=Emulated)
     gpt: GPTSpec = field(default_factory=GPTSpec)

@@ -75,6 +75,17 @@ _replicas_inner = make_run(2, 2, 2, 4, "full_shard")
 _replicas_inner.name += "_pipeline_data"
 _replicas_inner.strategy["mesh_order"] = "pipeline_data"
 RUNS[4].append(_replicas_inner)
+# gradient reductions overlapping the backward: on a communication thread (gloo's way) and the CUDA way (FSDP2's
+# reduction stream, final callbacks after the last action; on CPU the streams are no-ops, the order is the same)
+for _mode, _sharding in (("thread", "full_shard"), ("thread", "shard_grad_op"), ("stream", "full_shard")):
+    _overlap = make_run(2, 2, 2, 4, _sharding, optimizer="adamw" if _mode == "stream" else "sgd")
+    _overlap.name += f"_overlap_{_mode}"
+    _overlap.strategy["overlap_reductions"] = _mode
+    RUNS[4].append(_overlap)
+_overlap_depth_first = make_run(2, 2, 2, 4, "full_shard", schedule="depth_first")
+_overlap_depth_first.name += "_overlap_thread"
+_overlap_depth_first.strategy["overlap_reductions"] = "thread"
+RUNS[4].append(_overlap_depth_first)
 # `Trainer(devices=4, strategy="bfpp")` with every default: p=4, dp=1, v=2 (10 layers), m=p=4
 RUNS[4].append(
     RunSpec(name="registered_defaults", strategy={"name": "bfpp"}, model={"optimizer": "sgd"}, local_batch_size=8)
@@ -104,6 +115,11 @@ def test_matches_single_device(run, results):
     if run.name.endswith("_pipeline_data"):  # global ranks 0 and 1 are the two replicas of pipeline rank 0
         placement = [(r["holdings"]["pipeline_rank"], r["holdings"]["data_parallel_rank"]) for r in result.ranks]
         assert placement == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    threads = {e[3] for r in result.ranks for e in r["timed"] if e[1] == "reduce_on"}
+    if run.name.endswith("_overlap_thread"):  # every stage's reduction ran on the communication thread
+        assert threads and all(t.startswith("bfpp-reduce") for t in threads), threads
+    elif threads:
+        assert threads == {"MainThread"}, threads
     assert_params_match(result, ref, tol=TOL)
     # the parameters actually moved, so agreeing is not trivial
     initial = make_model(run).state_dict()

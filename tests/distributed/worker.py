@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,6 +92,8 @@ class EventLog:
 
         def counted_reduce(fsdp_params, *args, **kwargs):
             log.record("reduce", fsdp_params)
+            # which thread reduced: the main thread, or lightning_bfpp's communication thread
+            log.timed.append([log.step, "reduce_on", log.stage_of(fsdp_params), threading.current_thread().name, 0.0])
             return reduce(fsdp_params, *args, **kwargs)
 
         fsdp_param_group.foreach_all_gather = counted_gather

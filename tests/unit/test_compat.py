@@ -260,3 +260,63 @@ def test_torchmetrics_and_prediction_loop_internals():
     loader = DataLoader(list(range(4)), batch_sampler=wrapped)
     list(loader)
     assert _lightning_compat.seen_batch_indices(loader) == [[0, 1], [2, 3]]
+
+
+class _RecordingStream:
+    """Stands in for the compute stream: records when something makes it wait for another stream."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wait_event(self, event=None) -> None:
+        self.log.append("compute waits")
+
+    def wait_stream(self, stream=None) -> None:
+        self.log.append("compute waits")
+
+    def record_event(self, event=None):
+        return torch.cpu.Event() if hasattr(torch.cpu, "Event") else None
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_stream_mode_reductions_make_the_compute_stream_wait_only_after_the_last_action(one_process, monkeypatch):
+    """The CUDA path, on CPU: REDUCE_GRAD issues each stage's reduction (FSDP2 post-backward) without its final
+    callback, so the compute stream waits for no reduction before the schedule's last action; the waits come
+    once, in ``finish`` (before clipping and the optimizer). torch's own REDUCE_GRAD waits at each stage."""
+    from lightning_bfpp.reductions import GradientReductions
+
+    def run(mode):
+        log: list[str] = []
+        stream = _RecordingStream(log)
+        monkeypatch.setattr(torch.cpu, "current_stream", lambda *args, **kwargs: stream)
+        rec = _Recorded(one_process)
+        reductions = GradientReductions(dict(enumerate(rec.modules)), mode) if mode else None
+        if reductions is not None:
+            issue = reductions.reduce
+            monkeypatch.setattr(reductions, "reduce", lambda s: log.append(f"reduce {s}") or issue(s))
+        stages = build_stages(rec.modules, [0, 1], 2, torch.device("cpu"), dist.group.WORLD)
+        plan = lower(breadth_first(1, 2, 2), "full_shard", 2)
+        rec.schedule = PlannedSchedule(
+            stages, plan, 2, lambda out, mb: out.pow(2).sum(), pipeline_parallel_size=1, backward=True,
+            reductions=reductions,
+        )  # fmt: skip
+        for _ in range(2):  # the second step runs on the inferred shapes
+            log.clear()
+            rec.run()
+            log.append("schedule done")
+            if reductions is not None:
+                reductions.finish()
+        grads = [p.grad.full_tensor().clone() for m in rec.modules for p in m.parameters()]
+        return log, grads
+
+    log, grads = run("stream")
+    done = log.index("schedule done")
+    assert log[:done].count("reduce 1") == 1 and log[:done].count("reduce 0") == 1
+    assert "compute waits" not in log[:done], log
+    assert "compute waits" in log[done:], log  # the final callbacks, in finish()
+    blocking_log, blocking_grads = run(None)
+    assert "compute waits" in blocking_log[: blocking_log.index("schedule done")]  # torch's: per stage
+    for got, want in zip(grads, blocking_grads, strict=True):
+        torch.testing.assert_close(got, want)
