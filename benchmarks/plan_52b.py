@@ -62,9 +62,8 @@ def main() -> None:
         " bf16 weights and gradients, fp32 Adam state (12 bytes per parameter), full recomputation"
     )
     for overlap in (False, True):
-        print(
-            f"\n### gradient reductions {'overlapping later compute' if overlap else 'holding up compute (as now)'}\n"
-        )
+        how = "overlapping later compute (BFPPStrategy on CUDA)" if overlap else "holding up compute (torch's)"
+        print(f"\n### gradient reductions {how}\n")
         print()
         print("|---|---|---|---|---|---|---|")
         for batch, rows in best_per_schedule(overlap).items():

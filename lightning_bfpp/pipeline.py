@@ -240,7 +240,10 @@ class Pipeline:
             self._active = None
             if self.reductions is not None and train:
                 # the gradients are complete only now, before clipping and the optimizer step
+                start = tracer.now() if tracer is not None else 0.0
                 self.reductions.finish()
+                if tracer is not None:  # what of the overlapped reductions was still left to wait for
+                    tracer.add("reduce", start, tracer.now())
         return result
 
     def _prefetch_first_stage(self) -> None:

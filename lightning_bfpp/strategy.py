@@ -243,6 +243,8 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         per_node = max(self.num_processes, 1)
         cluster = auto.load_cluster(self._plan_cluster, self.world_size, per_node, self.root_device)
+        # the planner models the reductions this strategy will run
+        cluster = dataclasses.replace(cluster, overlap_reductions=self._overlaps_reductions())
         profile = self._plan_profile
         if profile is not None and not isinstance(profile, ModelProfile):
             profile = ModelProfile.from_json(Path(profile))
@@ -343,17 +345,19 @@ class BFPPStrategy(ModelParallelStrategy):
     def _overlap_mode(self) -> str | None:
         """How gradient reductions overlap the backward here, or None where there is nothing to overlap."""
         assert self.mesh_shape is not None
-        setting = self.overlap_reductions
-        if setting is False or self.mesh_shape.data_parallel_size == 1:
+        if not self._overlaps_reductions() or self.mesh_shape.data_parallel_size == 1:
             return None
         if self.config.sharding == "no_shard":
             return None  # replicated gradients are all-reduced by FSDP2's replicate, kept synchronous
-        if setting in ("stream", "thread"):
-            return setting
-        cuda = self.root_device.type == "cuda"
-        if setting == "auto":
-            return "stream" if cuda else None
-        return "stream" if cuda else "thread"
+        if self.overlap_reductions in ("stream", "thread"):
+            return self.overlap_reductions
+        return "stream" if self.root_device.type == "cuda" else "thread"
+
+    def _overlaps_reductions(self) -> bool:
+        """Whether the setting asks for overlapped reductions here (``"auto"``: on CUDA only)."""
+        if self.overlap_reductions == "auto":
+            return self.root_device.type == "cuda"
+        return self.overlap_reductions is not False
 
     def _reduction_group(self) -> Any:
         """The process group the communication thread reduces on (a collective: every rank creates all)."""

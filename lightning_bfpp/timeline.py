@@ -19,6 +19,8 @@ COMPUTE = ("forward", "backward")
 PIPELINE_WAIT = "p2p_wait"
 # waiting for other pipeline ranks: for activations/gradients, and at the step's end for the last to finish
 PIPELINE_WAITS = (PIPELINE_WAIT, "step_sync")
+# data-parallel communication the rank waited for (not what ran beside compute): weights it had to wait to
+# be gathered, and gradient reductions that held it up
 DATA_PARALLEL = ("gather_wait", "reduce")
 # lanes of a rank's row in the Chrome trace
 _LANES = {"forward": 0, "backward": 0, "p2p_wait": 1, "step_sync": 1, "send": 1, "recv": 1, "gather": 2,
@@ -96,13 +98,14 @@ def summarize(spans: Iterable[Span]) -> list[RankSummary]:
 
 def format_summary(summaries: Sequence[RankSummary]) -> str:
     lines = [
-        "| rank | step (ms) | busy | bubble (waiting for stages) | data-parallel comm (ms) | optimizer (ms) |",
+        "| rank | step (ms) | busy | bubble (waiting for stages) | exposed data-parallel comm | optimizer (ms) |",
         "|---|---|---|---|---|---|",
     ]
     for s in summaries:
+        exposed = s.data_parallel / s.step_time if s.step_time else 0.0
         lines.append(
             f"| {s.rank} | {1e3 * s.step_time:.1f} | {s.busy_fraction:.1%} | {s.bubble_fraction:.1%} |"
-            f" {1e3 * s.data_parallel:.1f} | {1e3 * s.optimizer:.1f} |"
+            f" {1e3 * s.data_parallel:.1f} ms ({exposed:.1%}) | {1e3 * s.optimizer:.1f} |"
         )
     return "\n".join(lines)
 

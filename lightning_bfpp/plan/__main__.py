@@ -73,9 +73,11 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter-node-bandwidth", type=quantity, help="per device, e.g. 25GB/s")
     parser.add_argument("--latency", type=float, help="seconds per message")
     parser.add_argument(
-        "--overlap-reductions",
-        action="store_true",
-        help="assume gradient reductions overlap later compute (a what-if: the runtime does not yet)",
+        "--reductions",
+        choices=("overlapped", "blocking"),
+        help="whether gradient reductions overlap later compute: BFPPStrategy's default on CUDA (overlapped, the"
+        " default for a machine given by flags), or torch's blocking REDUCE_GRAD (gloo's default; a --cluster"
+        " file keeps its own setting unless this is given)",
     )
     parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=SCHEDULES)
@@ -146,11 +148,11 @@ def _cluster(args: argparse.Namespace) -> Cluster:
             raise SystemExit(f"describe the machine with --cluster FILE, or give {flags}")
         given.setdefault("devices_per_node", given["num_devices"])
         given.setdefault("inter_node_bandwidth", given["intra_node_bandwidth"])
-        cluster = Cluster(**given)
+        cluster = Cluster(**given, overlap_reductions=True)
     else:
         cluster = replace(cluster, **given)
-    if args.overlap_reductions:
-        cluster = replace(cluster, overlap_reductions=True)
+    if args.reductions is not None:
+        cluster = replace(cluster, overlap_reductions=args.reductions == "overlapped")
     return cluster
 
 

@@ -33,8 +33,8 @@ class Cluster:
     # negligible at scale, measurable on small CPU runs (see lightning_bfpp.plan.calibrate)
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
-    # whether gradient reductions overlap later compute (FSDP2 inside torch's pipeline runtime makes the
-    # compute stream wait for each stage's reduce-scatter, so by default they do not)
+    # whether gradient reductions overlap later compute: BFPPStrategy's overlap_reductions (on by default on
+    # CUDA); torch's own REDUCE_GRAD, used on gloo by default, makes every later compute wait for them
     overlap_reductions: bool = False
 
     @property

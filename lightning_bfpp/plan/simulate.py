@@ -7,8 +7,9 @@ then :func:`~lightning_bfpp.schedule.lower`), rank by rank, with this model of a
   for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute;
-- a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as FSDP2 does inside torch's
-  pipeline runtime (``Cluster.overlap_reductions`` models the alternative);
+- a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
+  (and ``BFPPStrategy`` on gloo by default), or with ``Cluster.overlap_reductions`` runs beside it, as the
+  strategy's overlapped reductions do (the default on CUDA);
 - activations and gradients travel point-to-point when produced, one message at a time per direction of
   each link;
 - the step ends when every rank's work and the optimizer update are done.

@@ -30,13 +30,25 @@ def traced(tmp_path_factory):
             data_parallel_size=2,
         ),
         RunSpec(name="untraced", strategy=LAYOUT, trainer={"max_steps": 2}, local_batch_size=8, data_parallel_size=2),
+        RunSpec(
+            name="traced_overlapped",
+            strategy={
+                **LAYOUT,
+                "trace": str(trace_dir / "overlapped"),
+                "trace_steps": 1,
+                "overlap_reductions": "thread",
+            },
+            trainer={"max_steps": 2},
+            local_batch_size=8,
+            data_parallel_size=2,
+        ),
     ]
     return trace_dir, launch(runs, 4, workdir, timeout=400)
 
 
 def test_trace_files_per_step(traced):
     trace_dir, _ = traced
-    names = sorted(p.name for p in trace_dir.iterdir())
+    names = sorted(p.name for p in trace_dir.iterdir() if p.is_file())
     assert names == [
         "step00001.json",
         "step00001.png",
@@ -82,3 +94,17 @@ def test_runtime_is_hooked_during_traced_steps_only(traced):
     for rank_result in res["untraced"].ranks:
         assert rank_result["holdings"]["hooked_steps"] == []
         assert rank_result["holdings"]["runtime_untouched"]
+
+
+def test_overlapped_reductions_show_as_the_wait_at_the_steps_end(traced):
+    """With reductions on the communication thread, each stage's REDUCE_GRAD only hands its reduction over, and
+    the time still waited for them is one span after the schedule's last compute, counted as exposed."""
+    trace_dir, _ = traced
+    spans = read_spans(trace_dir / "overlapped" / "step00001.spans.json")
+    for rank in range(4):
+        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
+        reduces = [s for s in mine if s.kind == "reduce"]
+        last_compute = max(s.end for s in mine if s.kind in ("forward", "backward"))
+        assert len(reduces) == 3  # two hand-overs, one wait
+        assert reduces[-1].start >= last_compute - 1e-6
+    assert "exposed data-parallel comm" in (trace_dir / "overlapped" / "summary.md").read_text()
