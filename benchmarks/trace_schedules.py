@@ -1,6 +1,8 @@
 """Timelines of the same emulated model under each schedule, as ``BFPPStrategy(trace=...)`` records them.
 
     python benchmarks/trace_schedules.py --out runs/traces     # one folder per schedule, a minute or two
+    python benchmarks/trace_schedules.py --reductions --out runs/traces   # breadth-first, 2M-parameter layers,
+                                                       # gradient reductions blocking and on a thread
 
 4 CPU processes (p=2, dp=2, v=2, m=4 for the looped schedules; v=1 for gpipe and 1f1b) with emulated
 layers (5 ms forward, 10 ms backward per layer and micro-batch), fully sharded. Each folder holds the
@@ -24,31 +26,38 @@ from lightning_bfpp import BFPPStrategy
 
 MODEL = EmulatedModel(layers=8, forward_ms=5.0, backward_ms=10.0, param_numel=250_000, activation_numel=4096)
 SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
+# the reductions comparison: layers heavy enough (8 MiB of fp32 weights) for gathers and reductions to show
+HEAVY = EmulatedModel(layers=8, forward_ms=5.0, backward_ms=10.0, param_numel=2_000_000, activation_numel=4096)
+REDUCTIONS = {"reductions_blocking": False, "reductions_overlapped": "thread"}
 
 
 def trace(schedule: str, out: Path) -> None:
     looped = schedule in ("breadth_first", "depth_first")
+    overlap = REDUCTIONS.get(schedule, False)
+    model = HEAVY if schedule in REDUCTIONS else MODEL
     strategy = BFPPStrategy(
-        pipeline_parallel_size=2, stages_per_rank=2 if looped else 1, num_microbatches=4, schedule=schedule,
-        trace=out / schedule, trace_steps=3,
+        pipeline_parallel_size=2, stages_per_rank=2 if looped or schedule in REDUCTIONS else 1, num_microbatches=4,
+        schedule="breadth_first" if schedule in REDUCTIONS else schedule, trace=out / schedule, trace_steps=3,
+        overlap_reductions=overlap,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(EmulatedNet(MODEL), emulated_loader(MODEL, 4, 3))
+    trainer.fit(EmulatedNet(model), emulated_loader(model, 4, 3))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/traces"))
+    parser.add_argument("--reductions", action="store_true", help="compare blocking and overlapped reductions")
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.schedule:
         trace(args.schedule, args.out)
         return
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    for schedule in SCHEDULES:
+    for schedule in REDUCTIONS if args.reductions else SCHEDULES:
         cmd = [sys.executable, __file__, "--schedule", schedule, "--out", str(args.out)]
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         summary = (args.out / schedule / "summary.md").read_text().strip().split("\n## ")[-1]
