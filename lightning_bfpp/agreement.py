@@ -38,7 +38,7 @@ def rank_name(rank: int | None = None, **coordinates: int) -> str:
     return f"rank {rank}" + (f" ({extra})" if extra else "")
 
 
-def agree(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None, rank_label: str | None = None) -> T:
+def agree(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None) -> T:
     """Run ``fn`` on every rank of ``group``; if it raised anywhere, raise :class:`AgreedError` everywhere.
 
     ``fn`` must not itself run collectives (a rank that failed before one would leave the others in it).
@@ -54,7 +54,7 @@ def agree(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None
         if error is not None:
             raise error
         return result
-    label = rank_label or rank_name()
+    label = rank_name()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, None if error is None else (label, describe(error)), group=group)
     failures = [g for g in gathered if g is not None]

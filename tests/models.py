@@ -67,6 +67,20 @@ class ModelSpec:
     scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
 
 
+class LayerStack(L.LightningModule):
+    """A module that is its ``self.layers`` applied in order: the smallest ``pipeline_layers()`` contract."""
+
+    layers: nn.ModuleList
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 class PipeNet(L.LightningModule):
     def __init__(self, **spec: Any) -> None:
         super().__init__()

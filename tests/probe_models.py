@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 
 from benchmarks.emulated import EmulatedLayer
-from tests.models import PipeNet, RunSpec
+from tests.models import LayerStack, PipeNet, RunSpec
 
 # per layer and micro-batch; 8 layers over (p, v) = (2, 2) make a stage's sweep over 4 micro-batches last
 # 4 x 2 x 20 ms = 160 ms, against a few milliseconds for gathering a stage's 2 x 2 MB of weights
@@ -23,20 +22,12 @@ SLEEP_MS = 20.0
 SLEEP_LAYER_PARAMS = 500_000
 
 
-class SleepingNet(L.LightningModule):
+class SleepingNet(LayerStack):
     """Identity layers that take ``SLEEP_MS`` per forward and backward and hold real weights to gather."""
 
     def __init__(self, num_layers: int = 8) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EmulatedLayer(SLEEP_MS, SLEEP_MS, SLEEP_LAYER_PARAMS) for _ in range(num_layers))
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch

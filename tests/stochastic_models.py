@@ -10,14 +10,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import SumMetric
 
-from tests.models import PipeNet, RunSpec
+from tests.models import LayerStack, PipeNet, RunSpec
 
 
 class Unit(nn.Module):
@@ -31,7 +30,7 @@ class Unit(nn.Module):
         return x * self.weight
 
 
-class DrawsBeforeModel(L.LightningModule):
+class DrawsBeforeModel(LayerStack):
     """Denoising, masking, NumPy and Python noise drawn before ``self(...)``, each logged as its own loss.
 
     A side effect before ``self(...)`` as well: ``samples_seen`` counts the samples each step sees.
@@ -41,14 +40,6 @@ class DrawsBeforeModel(L.LightningModule):
         super().__init__()
         self.layers = nn.ModuleList(Unit(width) for _ in range(num_layers))
         self.samples_seen = SumMetric()
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch
