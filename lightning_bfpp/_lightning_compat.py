@@ -67,6 +67,46 @@ def should_accumulate(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
+def share_sigterm_through(trainer: Trainer, agreed: Callable[[], bool]) -> Callable[[], bool]:
+    """Take SIGTERM out of Lightning's per-rank hands and into the step's one collective; call once training has
+    started. Returns whether this process has received SIGTERM, for that collective to carry.
+
+    Lightning (2.6) broadcasts a SIGTERM flag from rank 0 before every training batch on any multi-process
+    strategy (one blocking collective per step); its signal handler broadcasts too, from whichever rank the
+    signal reached, at whatever point it was interrupted; and the rank that received it raises right after its
+    current batch, leaving the others waiting for it in the pipeline. Here the handler only notes the signal
+    (and still stops the launcher's child processes, as Lightning's does). The per-batch check reads
+    ``agreed()``: whether any rank had noted it by the previous step's collective, which every rank reads
+    alike. Then every rank marks the trainer as having received SIGTERM and raises Lightning's
+    ``SIGTERMException`` at the same batch, as Lightning intends.
+    """
+    import signal
+    import threading
+
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    connector = trainer._signal_connector  # type: ignore[attr-defined]
+    noted = [False]
+
+    def check() -> None:
+        if agreed():
+            connector.received_sigterm = True
+            raise SIGTERMException()
+
+    def note(signum: int, _frame: Any) -> None:
+        launcher = trainer.strategy.launcher
+        if not noted[0] and launcher is not None:
+            launcher.kill(signum)
+        noted[0] = True
+
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
+    handler = signal.getsignal(signal.SIGTERM)
+    if isinstance(handler, _HandlersCompose) and threading.current_thread() is threading.main_thread():
+        handler.signal_handlers = [note if h == connector._sigterm_notifier_fn else h for h in handler.signal_handlers]
+    return lambda: noted[0] or bool(connector.received_sigterm)
+
+
 def request_train_dataloader(trainer: object) -> object:
     """The training DataLoader as the user defined it (before Lightning adds a distributed sampler)."""
     return _request_dataloader(trainer.fit_loop._data_source)  # type: ignore[attr-defined]

@@ -71,6 +71,15 @@ def failure_message(what: str, failures: list[tuple[str, str]], world_size: int 
     return f"BFPPStrategy: {what} failed on {label}{more}: {cause}"
 
 
+def different_batch_shapes(step_name: str, here: str) -> str:
+    """The message for ranks that ran one step on batches of different shapes (``here``: this rank's)."""
+    return (
+        f"BFPPStrategy: ranks received batches of different shapes in the same `{step_name}`. Every"
+        " data-parallel replica must see the same batch shapes (same batch size and, for sequences, the"
+        f" same padded length); {here} micro-batches."
+    )
+
+
 class StepFailure:
     """One step's outcome on this rank: the first error, with where it happened, or nothing.
 

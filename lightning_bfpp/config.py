@@ -80,6 +80,7 @@ class PipelineConfig:
     partition: PartitionSpec = "parameters"
     microbatch_group_size: int | None = None
     mesh_order: str = "data_pipeline"
+    prefetch_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size is not None:
@@ -116,6 +117,12 @@ class PipelineConfig:
         if self.sharding not in SHARDINGS:
             raise ValueError(
                 f"BFPPStrategy: unknown `sharding={self.sharding!r}`; choose one of {', '.join(SHARDINGS)}."
+            )
+        prefetch = self.prefetch_stages
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(
+                "BFPPStrategy: `prefetch_stages` (stages whose weights are gathered ahead of the one computing) must"
+                f" be an int of at least 0, got {prefetch!r}."
             )
         if isinstance(self.partition, str):
             if self.partition not in PARTITIONS:

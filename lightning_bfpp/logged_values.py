@@ -2,16 +2,14 @@
 
 Only last-stage ranks run the part of a step that calls ``self.log``, once per micro-batch. This module
 folds those calls into one value per name (with the call's own ``reduce_fx``: the mean of equal-sized
-micro-batch means is the batch mean), sends names and values to the other ranks of the pipeline, reduces
-over the data-parallel replicas with the same ``reduce_fx``, and replays the calls through Lightning on
-every rank in the same order. Every logger, the progress bar and every monitoring callback then sees the
-single-device value of the global batch, on every rank, and no rank waits for a collective another rank
-never starts.
+micro-batch means is the batch mean), sends names and values to every rank, reduces over the data-parallel
+replicas with the same ``reduce_fx``, and replays the calls through Lightning on every rank in the same
+order. Every logger, the progress bar and every monitoring callback then sees the single-device value of
+the global batch, on every rank, and no rank waits for a collective another rank never starts.
 
-Per step this costs a broadcast of a small header and of the values over the pipeline group, plus a small
-all-reduce (failures and the names' digest) and one all-gather of the values over the data-parallel group;
-the names themselves are sent only when they change. It is also where a step that failed on the last stage
-is raised on every rank (see :mod:`lightning_bfpp.agreement`).
+Per step this costs one small all-gather over all ranks (the step's only collective outside the pipeline);
+the names themselves are sent only when they change. It is also where a step that failed on some ranks is
+raised on every rank (see :mod:`lightning_bfpp.agreement`).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from lightning_bfpp._lightning_compat import set_metric_step_value
-from lightning_bfpp.agreement import AgreedError, StepFailure, raise_agreed
+from lightning_bfpp.agreement import AgreedError, StepFailure, different_batch_shapes, raise_agreed
 from lightning_bfpp.user_step import LoggedValue
 
 _REDUCE_OPS: dict[Any, str] = {
@@ -121,26 +119,30 @@ def _attribute_of(module: LightningModule, metric: Metric) -> str | None:
     return next((name for name, m in module.named_modules() if m is metric), None)
 
 
-class LoggedValueSync:
-    """Moves combined values from the pipeline's last rank to all ranks and reduces them over replicas.
+_HEADER = 6  # failure code, batch digest, holds values, names digest, number of values, stop requested
+_INITIAL_CAPACITY = 8
 
-    It is also the point after the schedule where every rank meets: a step that failed on a last-stage rank
-    (its loss, logging or metric code) is raised here on every rank, with that rank's message.
+
+class LoggedValueSync:
+    """The one collective of a step: every rank's outcome and the last stages' logged values, to every rank.
+
+    One all-gather over all ranks of a small fixed-size row per rank: the rank's failure code, the digest of
+    its batch shape, whether it received SIGTERM (what Lightning's own per-batch broadcast would carry), and
+    on last-stage ranks the digest of the logged names and the values (plus the loss).
+    From it every rank raises the same error if a rank failed (the user's loss or logging on the last stage,
+    the input capture on the first) or the ranks ran different batch shapes, and reduces the replicas' values
+    with each name's ``reduce_fx``. The names themselves travel only when they change, and the row grows
+    (on every rank alike: all see the counts) when more values are logged than it holds.
     """
 
-    def __init__(
-        self,
-        pipeline_group: dist.ProcessGroup | None,
-        last_pipeline_rank: int,
-        data_parallel_group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> None:
-        self._pp_group = pipeline_group
-        self._src = last_pipeline_rank
-        self._dp_group = data_parallel_group
+    def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        self._capacity = _INITIAL_CAPACITY
         self._specs: list[LogSpec] = []
-        self._digest = -1
+        self._digest = -1.0
+        # some rank asked to stop (received SIGTERM) by the last step: every rank knows it alike
+        self.stop_agreed = False
 
     def share(
         self,
@@ -149,81 +151,84 @@ class LoggedValueSync:
         loss: torch.Tensor | None,
         failure: StepFailure,
         step_name: str,
+        batch_digest: int = 0,
+        batch_description: str = "",
+        stop_requested: bool = False,
     ) -> tuple[list[LogSpec], torch.Tensor, torch.Tensor]:
         """Every rank gets the specs, the values and the step loss, reduced over data-parallel replicas.
 
-        The last pipeline rank passes what it combined (or a ``failure``); the other ranks pass ``None``. The
-        loss is averaged over replicas like a logged mean, so the returned loss is the global batch's.
+        Last-stage ranks pass what they combined (or nothing, with a ``failure``); the other ranks pass
+        ``None``. The loss is averaged over replicas like a logged mean, so the returned loss is the global
+        batch's.
         """
         packed = None
+        digest = 0.0
         if specs is not None:
             assert values is not None and loss is not None
             specs = [*specs, _LOSS_SPEC]
-            packed = torch.cat([values.float().cpu(), loss.detach().float().cpu().reshape(1)])
-        code = failure.code
-        if self._pp_group is not None:
-            specs, packed, code = self._broadcast(specs, packed, code)
-        digest = self._digest if self._pp_group is not None else zlib.crc32(repr(specs).encode())
-        if self._dp_group is not None:
-            flags = torch.tensor([code, digest, -digest], dtype=torch.int64, device=self._device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
-            code, high, low = (int(v) for v in flags.tolist())
-            if not code and high != -low:
-                raise AgreedError(
-                    f"BFPPStrategy: data-parallel replicas logged different names or reductions in the same"
-                    f" `{step_name}` ({self._describe(specs)} here). Log the same names with the same options on"
-                    " every batch (e.g. log a value as NaN rather than skipping the call)."
-                )
+            packed = torch.cat([values.double().cpu(), loss.detach().double().cpu().reshape(1)])
+            digest = float(zlib.crc32(repr(specs).encode()))
+        rows = self._gather(failure.code, batch_digest, packed, digest, stop_requested)
+        self.stop_agreed = bool(rows[:, 5].any())
+        code = int(rows[:, 0].max())
         if code:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            if world == 1:
+            if self._world == 1:
                 assert failure.error is not None
                 raise failure.error
             raise_agreed(f"`{step_name}`", code, failure, None, self._device)
-        assert specs is not None and packed is not None
-        packed = packed.to(self._device)
-        if self._dp_group is not None:
-            packed = self._reduce(specs, packed)
-        return specs[:-1], packed[:-1], packed[-1]
+        if bool((rows[:, 1] != rows[0, 1]).any()):
+            raise AgreedError(different_batch_shapes(step_name, batch_description))
+        last = rows[rows[:, 2] == 1]
+        if bool((last[:, 3] != last[0, 3]).any()):
+            raise AgreedError(
+                f"BFPPStrategy: data-parallel replicas logged different names or reductions in the same"
+                f" `{step_name}` ({self._describe(specs)} here). Log the same names with the same options on"
+                " every batch (e.g. log a value as NaN rather than skipping the call)."
+            )
+        if float(last[0, 3]) != self._digest:  # the names changed: fetch them from the first last-stage rank
+            box: list[Any] = [specs]
+            if self._world > 1:
+                source = int((rows[:, 2] == 1).nonzero()[0])
+                dist.broadcast_object_list(box, src=source, device=self._device)
+            self._specs, self._digest = box[0], float(last[0, 3])
+        count = int(last[0, 4])
+        per_replica = last[:, _HEADER : _HEADER + count].float()
+        reduced = self._reduce(self._specs, per_replica).to(self._device)
+        return self._specs[:-1], reduced[:-1], reduced[-1]
+
+    def _gather(
+        self, code: int, batch_digest: int, packed: torch.Tensor | None, digest: float, stop: bool
+    ) -> torch.Tensor:
+        """All ranks' rows, ``[world, header + capacity]`` in float64 (exact for the integer fields)."""
+        count = 0 if packed is None else packed.numel()
+        while True:
+            row = torch.zeros(_HEADER + self._capacity, dtype=torch.float64)
+            header = [code, batch_digest, packed is not None, digest, count, stop]
+            row[:_HEADER] = torch.tensor(header, dtype=torch.float64)
+            if packed is not None:
+                row[_HEADER : _HEADER + min(count, self._capacity)] = packed[: self._capacity]
+            if self._world == 1:
+                rows = row[None]
+            else:
+                row = row.to(self._device)
+                gathered = torch.empty(self._world * row.numel(), dtype=row.dtype, device=self._device)
+                dist.all_gather_single(gathered, row)
+                rows = gathered.view(self._world, -1).cpu()
+            needed = int(rows[:, 4].max())
+            if needed <= self._capacity or bool(rows[:, 0].any()):
+                return rows
+            # more values than the row holds: every rank saw the count, so every rank grows it and gathers again
+            self._capacity = 1 << (needed - 1).bit_length()
 
     @staticmethod
     def _describe(specs: Sequence[LogSpec] | None) -> str:
         return ", ".join(f"{s.name} ({s.op})" for s in specs or () if s is not _LOSS_SPEC) or "nothing logged"
 
-    def _broadcast(
-        self, specs: list[LogSpec] | None, values: torch.Tensor | None, code: int
-    ) -> tuple[list[LogSpec] | None, torch.Tensor | None, int]:
-        is_src = specs is not None or code != 0
-        header = torch.zeros(3, dtype=torch.int64, device=self._device)
-        if is_src:
-            header[2] = code
-            if specs is not None:
-                assert values is not None
-                header[0] = zlib.crc32(repr(specs).encode())
-                header[1] = values.numel()
-        dist.broadcast(header, group=self._pp_group, group_src=self._src)
-        digest, count, code = (int(v) for v in header.tolist())
-        if code:
-            return None, None, code
-        if digest != self._digest:
-            box: list[Any] = [specs]
-            dist.broadcast_object_list(box, group=self._pp_group, group_src=self._src, device=self._device)
-            self._specs, self._digest = box[0], digest
-        if specs is None:
-            values = torch.zeros(count, dtype=torch.float32, device=self._device)
-        assert values is not None
-        values = values.to(device=self._device, dtype=torch.float32).contiguous()
-        dist.broadcast(values, group=self._pp_group, group_src=self._src)
-        return self._specs, values, 0
-
-    def _reduce(self, specs: Sequence[LogSpec], values: torch.Tensor) -> torch.Tensor:
-        """Reduce every value over the replicas with its own op, in one all-gather."""
-        size = dist.get_world_size(self._dp_group)
-        gathered = torch.empty(size * values.numel(), dtype=values.dtype, device=values.device)
-        dist.all_gather_into_tensor(gathered, values.contiguous(), group=self._dp_group)
-        per_replica = gathered.view(size, values.numel())
+    @staticmethod
+    def _reduce(specs: Sequence[LogSpec], per_replica: torch.Tensor) -> torch.Tensor:
+        """Reduce every value over the replicas (rows) with its own op."""
         reduce = {"mean": torch.mean, "sum": torch.sum, "max": torch.amax, "min": torch.amin}
-        reduced = values.clone()
+        reduced = per_replica[0].clone()
         for op, fn in reduce.items():
             index = [i for i, s in enumerate(specs) if s.op == op]
             if index:

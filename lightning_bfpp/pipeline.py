@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
 from lightning_bfpp._compat import tree_flatten
-from lightning_bfpp.agreement import AgreedError, StepFailure, raise_agreed, rank_name
+from lightning_bfpp.agreement import AgreedError, StepFailure, different_batch_shapes, raise_agreed, rank_name
 from lightning_bfpp.microbatch import batch_signature, batch_size, microbatch_count, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.random_state import derive_seed, forked_random_state
@@ -56,7 +57,11 @@ class StepResult:
     recorder: LogRecorder = field(default_factory=LogRecorder)
     num_microbatches: int = 0
     step_name: str = ""
-    failure: StepFailure = field(default_factory=StepFailure)  # the user's step failed here (last stage)
+    # the user's step failed here: input capture (first stage), loss or logging (last stage)
+    failure: StepFailure = field(default_factory=StepFailure)
+    # the batch's shape and micro-batch count, digested and described; every rank must run the same
+    batch_digest: int = 0
+    batch_description: str = ""
 
 
 @dataclass
@@ -86,8 +91,10 @@ class Pipeline:
         sharding: str,
         num_microbatches: int,
         microbatch_group_size: int | None = None,
+        prefetch_stages: int = 1,
         base_seed: int = 0,
         reductions: GradientReductions | None = None,
+        agreement_timeout: float | None = None,
     ) -> None:
         self.module = module
         self.plan = stage_plan
@@ -98,6 +105,7 @@ class Pipeline:
         self.sharding = sharding
         self.num_microbatches = num_microbatches
         self.microbatch_group_size = microbatch_group_size
+        self.prefetch_stages = prefetch_stages
         self.pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
         self.local_stages = stage_plan.stages_of(self.pipeline_rank)
         self.holds_first_stage = 0 in self.local_stages
@@ -109,6 +117,8 @@ class Pipeline:
         self.base_seed = base_seed
         # each stage's gradient reduction overlapping the rest of the backward; None: torch's, blocking
         self.reductions = reductions
+        # how long the check before a new schedule waits for every rank (None: the process group's timeout)
+        self.agreement_timeout = agreement_timeout
         # the module's torchmetrics: restored after input capture, and refused to sync inside a step
         self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
         # True while the user's step code runs here; collectives called then are refused (see user_step)
@@ -138,13 +148,14 @@ class Pipeline:
 
     def lowered_schedule(self, train: bool, num_microbatches: int, *, reduce_grads: bool = True) -> Schedule:
         compute = self.compute_schedule(train, num_microbatches)
-        return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads)
+        if self.data_parallel_size == 1:
+            return compute  # nothing to gather or reduce: the stages are plain modules (see shard_stage)
+        return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads, prefetch=self.prefetch_stages)
 
-    def _schedule_for(
-        self, train: bool, num_microbatches: int, signature: Any, reduce_grads: bool = True
-    ) -> PlannedSchedule:
-        """The schedule for this step's kind and batch shape: built once, kept in a least-recently-used cache."""
-        key = (train, num_microbatches, signature, reduce_grads)
+    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> PlannedSchedule:
+        """The schedule for a step's kind, micro-batch count, batch shape and whether it reduces gradients:
+        built once, kept in a least-recently-used cache."""
+        train, num_microbatches, _, reduce_grads = key
         schedule = self._schedules.get(key)
         if schedule is not None:
             self._schedules.move_to_end(key)
@@ -196,15 +207,17 @@ class Pipeline:
         without its gradient reductions: FSDP2 keeps adding to the unsharded gradients until a step reduces.
 
         An error in the user's code on some ranks (input capture on the first stage, the loss and logging on
-        the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet:
-        before the schedule for the capture, in the logged-value sync after it for the rest.
+        the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet: the
+        check before a new schedule is built, else the one collective after the schedule (the logged-value
+        sync), which also compares the ranks' batch shapes (``StepResult.batch_digest``). A step whose schedule
+        is already built has no collective before it.
         """
         self._prefetch_first_stage()
         step = getattr(self.module, step_name)
         failure = StepFailure()
         num_microbatches, microbatches, signature = 0, [], None
         seeds: list[int] = []
-        arg_mbs = kwarg_mbs = None
+        inputs: tuple[list[Any], list[Any]] | None = None
         try:
             num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
             microbatches = split_microbatches(batch, num_microbatches)
@@ -219,13 +232,28 @@ class Pipeline:
                         captured.append(
                             capture_model_input(self.module, step, step_name, mb, *step_args, metrics=self.metrics)
                         )
-                arg_mbs = [args for args, _ in captured]
-                kwarg_mbs = [kwargs for _, kwargs in captured]
+                inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
         except Exception as error:
             failure.record(error, self.rank_label)
-        self._agree_before_schedule(step_name, signature, num_microbatches, failure)
-        schedule = self._schedule_for(train, num_microbatches, signature, reduce_grads or not train)
-        result = StepResult(num_microbatches=num_microbatches, step_name=step_name)
+        key = (train, num_microbatches, signature, reduce_grads or not train)
+        cached = self._schedules.get(key)
+        if cached is None or (failure.error is not None and self.holds_first_stage and cached.last_inputs is None):
+            # a schedule not built yet (first step, new batch shape): every rank checks before building one
+            self._agree_before_schedule(step_name, signature, num_microbatches, failure)
+        schedule = self._schedule_for(key)
+        if self.holds_first_stage:
+            if failure.error is None:
+                schedule.last_inputs = inputs
+            else:
+                # The capture failed here, but the other ranks are already in the schedule (checking first would
+                # cost a collective every step): run it on the inputs it last ran on, then raise the capture's
+                # error on every rank after it, before any optimizer step.
+                inputs = schedule.last_inputs
+        result = StepResult(num_microbatches=num_microbatches, step_name=step_name, failure=failure)
+        result.batch_digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
+        result.batch_description = (
+            f"{self.rank_label} got {signature[1] if signature is not None else None} in {num_microbatches}"
+        )
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches
@@ -233,6 +261,7 @@ class Pipeline:
         self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result, seeds)
         self._schedule_in_use = schedule
         targets = [torch.tensor(i) for i in range(num_microbatches)]
+        arg_mbs, kwarg_mbs = inputs if inputs is not None else (None, None)
         try:
             with tracer.recording(schedule) if tracer is not None else nullcontext():
                 schedule.run(arg_mbs, kwarg_mbs, targets)
@@ -253,7 +282,7 @@ class Pipeline:
         it where the weights are needed. Only this one stage, so at most two stages are ever unsharded at
         once under ``full_shard``, as before.
         """
-        if self.sharding != "no_shard":
+        if self.sharding != "no_shard" and self.data_parallel_size > 1 and self.prefetch_stages > 0:
             self.stage_modules[0].unshard(async_op=True)
 
     @contextmanager
@@ -315,11 +344,14 @@ class Pipeline:
     def _agree_before_schedule(
         self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure
     ) -> None:
-        """One all-reduce over all ranks before the schedule: did the input capture (or the batch) fail anywhere,
-        and do all ranks run the same batch shape and micro-batch count?
+        """One all-reduce over all ranks before a schedule is built for a new kind of step or batch shape:
+        did the batch split or the input capture fail anywhere, and do all ranks run the same shape?
 
         Ranks building their stages for different shapes would issue different transfers and hang; a capture
-        error on the first stage would leave every other rank waiting for its activations.
+        error on the first stage would leave every other rank waiting for its activations. Steps that reuse a
+        built schedule skip this (see :meth:`run`), so the ranks cannot all be relied on to come: if they do
+        not within ``agreement_timeout`` seconds (a rank whose batch shape differs from its pipeline's), this
+        rank raises, and the failure watchdog stops the others.
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
@@ -328,17 +360,26 @@ class Pipeline:
             return
         digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
         flags = torch.tensor([failure.code, digest, -digest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        shape = signature[1] if signature is not None else None
+        try:
+            if self.agreement_timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.agreement_timeout))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"BFPPStrategy: {self.rank_label} waited {self.agreement_timeout:.0f} s for the other ranks to"
+                f" check a new batch shape ({shape} in {num_microbatches} micro-batches) before `{step_name}`,"
+                " while they ran a step with a shape they had seen before. The ranks of a pipeline must load the"
+                " same batches: give them the same data order and the same collate function."
+            ) from (failure.error or error)
         code, high, low = (int(v) for v in flags.tolist())
         if code:
-            raise_agreed(f"`{step_name}` before `self(...)`", code, failure, None, self.device)
+            raise_agreed(f"`{step_name}`", code, failure, None, self.device)
         if high != -low:
-            shape = signature[1] if signature is not None else None
-            raise AgreedError(
-                f"BFPPStrategy: ranks received batches of different shapes in the same `{step_name}`. Every"
-                " data-parallel replica must see the same batch shapes (same batch size and, for sequences, the"
-                f" same padded length); {self.rank_label} got {shape} in {num_microbatches} micro-batches."
-            )
+            here = f"{self.rank_label} got {shape} in {num_microbatches}"
+            raise AgreedError(different_batch_shapes(step_name, here))
 
 
 def _placeholder_loss(output: Any) -> torch.Tensor:

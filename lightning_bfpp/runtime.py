@@ -82,6 +82,8 @@ class PlannedSchedule(PipelineRuntime):
             # REDUCE_GRAD overlaps the remaining backward (see lightning_bfpp.reductions)
             self.replace_gradient_reduction(reductions.reduce)
         self.inferring_metadata = False
+        # the first stage's inputs of the last step that captured them (see Pipeline.run)
+        self.last_inputs: tuple[list[Any], list[Any]] | None = None
 
     @contextmanager
     def metadata_inference(self) -> Iterator[None]:

@@ -315,15 +315,16 @@ def add_sharding_actions(
     sharding: Sharding,
     num_microbatches: int,
     *,
-    prefetch: bool = True,
+    prefetch: int = 1,
     reduce_grads: bool = True,
 ) -> list[Action]:
     """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
 
     The unit is a *visit*: a maximal run of consecutive compute actions on one stage. A stage is unsharded
-    (its weights all-gathered) for a visit; with ``prefetch`` the next visit's stage is unsharded when the
-    current visit starts, so its gather overlaps this visit's compute. ``REDUCE_GRAD`` follows a stage's
-    last backward. When a stage is released depends on ``sharding``:
+    (its weights all-gathered) for a visit; with ``prefetch=k`` the stages of the next ``k`` visits (other than
+    the current one) are unsharded when the current visit starts, so their gathers overlap this visit's
+    compute (``0``: each stage is gathered when its visit starts). ``REDUCE_GRAD`` follows a stage's last
+    backward. When a stage is released depends on ``sharding``:
 
     - ``"full_shard"`` (ZeRO-3): after every visit, unless the next visit is to the same stage (as with the
       last local stage, whose forward sweep is followed by its backward sweep).
@@ -331,7 +332,7 @@ def add_sharding_actions(
       backward, after its last forward), so the weights are gathered once per step.
 
     Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
-    ``shard_grad_op``, and at most two stages' full weights resident at once with ``full_shard``.
+    ``shard_grad_op``, and at most ``prefetch + 1`` stages' full weights resident at once with ``full_shard``.
 
     ``reduce_grads=False`` leaves the ``REDUCE_GRAD`` actions out: for the batches of a gradient-accumulation
     window before its last, whose gradients FSDP2 keeps unsharded and adds to until the last batch's
@@ -343,6 +344,8 @@ def add_sharding_actions(
     """
     if sharding not in ("full_shard", "shard_grad_op", "no_shard"):
         raise ValueError(f"unknown sharding {sharding!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative int (stages gathered ahead), got {prefetch!r}")
     visits = _visits(actions)
     has_backward = any(a.kind is B for a in actions)
     last_forward_visit = {v_stage: i for i, (v_stage, kind, _) in enumerate(visits) if kind is F}
@@ -362,8 +365,15 @@ def add_sharding_actions(
         next_stage = visits[i + 1][0] if i + 1 < len(visits) else None
         if stage not in active:
             unshard(stage)
-        if prefetch and next_stage is not None and next_stage != stage and next_stage not in active:
-            unshard(next_stage)
+        ahead: list[int] = []  # the next `prefetch` distinct stages after this one
+        for upcoming, _, _ in visits[i + 1 :]:
+            if len(ahead) == prefetch:
+                break
+            if upcoming != stage and upcoming not in ahead:
+                ahead.append(upcoming)
+        for upcoming in ahead:
+            if upcoming not in active:
+                unshard(upcoming)
         out.extend(run)
         finished = False
         if kind is B:
@@ -384,11 +394,17 @@ def add_sharding_actions(
 
 
 def lower(
-    schedule: Mapping[int, Sequence[Action]], sharding: Sharding, num_microbatches: int, *, reduce_grads: bool = True
+    schedule: Mapping[int, Sequence[Action]],
+    sharding: Sharding,
+    num_microbatches: int,
+    *,
+    reduce_grads: bool = True,
+    prefetch: int = 1,
 ) -> Schedule:
     """:func:`add_sharding_actions` applied to every rank."""
     return {
-        r: add_sharding_actions(a, sharding, num_microbatches, reduce_grads=reduce_grads) for r, a in schedule.items()
+        r: add_sharding_actions(a, sharding, num_microbatches, reduce_grads=reduce_grads, prefetch=prefetch)
+        for r, a in schedule.items()
     }
 
 

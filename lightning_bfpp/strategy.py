@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
@@ -96,6 +97,9 @@ class BFPPStrategy(ModelParallelStrategy):
             all-gathers and reductions inside a node (the planner says which is faster).
         sharding: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (replicated,
             gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage.
+        prefetch_stages: how many upcoming stages' weight gathers are in flight while a stage computes (default
+            1; 0 gathers each stage when its turn comes). Under ``"full_shard"`` at most ``prefetch_stages + 1``
+            stages' full weights are held at once: raise it when a stage's compute is shorter than its gather.
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
         partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), or
             the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
@@ -135,6 +139,7 @@ class BFPPStrategy(ModelParallelStrategy):
         partition: PartitionSpec = "parameters",
         microbatch_group_size: int | None = None,
         mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
+        prefetch_stages: int = 1,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         overlap_reductions: bool | Literal["auto", "stream", "thread"] = "auto",
         trace: str | Path | None = None,
@@ -156,6 +161,7 @@ class BFPPStrategy(ModelParallelStrategy):
             partition=partition,
             microbatch_group_size=microbatch_group_size,
             mesh_order=mesh_order,
+            prefetch_stages=prefetch_stages,
         )
         self._recompute = recompute_policy(activation_checkpointing)
         if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
@@ -186,6 +192,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self.stage_plan: StagePlan | None = None
         self.pipeline: Pipeline | None = None
         self._log_sync: LoggedValueSync | None = None
+        # whether this process received SIGTERM (shared with the others by the step's collective)
+        self._sigterm_noted: Callable[[], bool] = lambda: False
         self._full_parameter_names: list[str] = []
 
     # -- precision ---------------------------------------------------------------------------------
@@ -230,8 +238,9 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # an agreed error is raised by every rank at the same point: nobody is left waiting
-        if self._watchdog is not None and not isinstance(exception, AgreedError):
+        # an agreed error (and a SIGTERM stop, agreed through the step's collective) is raised by every rank at
+        # the same point: nobody is left waiting
+        if self._watchdog is not None and not isinstance(exception, (AgreedError, SIGTERMException)):
             self._watchdog.report(f"{type(exception).__name__}: {exception}")
 
     def _build_device_mesh(self) -> None:
@@ -409,13 +418,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 " loop around the pipeline then waits for its first micro-batch to come back, so ranks idle."
                 " Use at least as many micro-batches as pipeline ranks."
             )
-        p = layout.pipeline_parallel_size
-        self._log_sync = LoggedValueSync(
-            self.device_mesh[PIPELINE_PARALLEL].get_group() if p > 1 else None,
-            p - 1,
-            dp_mesh.get_group() if layout.data_parallel_size > 1 else None,
-            self.root_device,
-        )
+        self._log_sync = LoggedValueSync(self.root_device)
         return Pipeline(
             module,
             plan,
@@ -426,11 +429,22 @@ class BFPPStrategy(ModelParallelStrategy):
             sharding=self.config.sharding,
             num_microbatches=layout.num_microbatches,
             microbatch_group_size=layout.microbatch_group_size,
+            prefetch_stages=self.config.prefetch_stages,
             base_seed=base_seed,
             reductions=reductions,
+            # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
+            agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )
 
     # -- training ----------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self) -> None:
+        # the step's one collective carries Lightning's per-batch SIGTERM check (see LoggedValueSync)
+        trainer = self.lightning_module.trainer
+        self._sigterm_noted = lc.share_sigterm_through(
+            trainer, lambda: self._log_sync is not None and self._log_sync.stop_agreed
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -506,7 +520,16 @@ class BFPPStrategy(ModelParallelStrategy):
             except Exception as error:
                 result.failure.record(error, self.pipeline.rank_label)
                 specs = values = None
-        specs, values, loss = self._log_sync.share(specs, values, loss, result.failure, result.step_name)
+        specs, values, loss = self._log_sync.share(
+            specs,
+            values,
+            loss,
+            result.failure,
+            result.step_name,
+            result.batch_digest,
+            result.batch_description,
+            stop_requested=self._sigterm_noted(),
+        )
         with warnings.catch_warnings():
             # the values are already reduced over replicas; Lightning's advice to sync them does not apply
             warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")

@@ -98,6 +98,10 @@ class FaultyNet(PipeNet):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.clock["step"] = self.trainer.global_step
 
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.fault == "sigterm" and self.trainer.global_rank == self.fault_rank and self.trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption notice reaches one process
+
     def _here(self) -> bool:
         return self.trainer.global_rank == self.fault_rank and self.trainer.global_step == self.fault_step
 

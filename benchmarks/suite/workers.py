@@ -149,7 +149,12 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
 
     stages = build_stages(modules, here.indices, here.num_stages, CPU, here.mesh[PIPELINE_PARALLEL].get_group())
     schedule = PlannedSchedule(
-        stages, lower(compute, job.sharding, job.m), job.m, loss_fn, pipeline_parallel_size=job.p, backward=True
+        stages,
+        compute if job.dp == 1 else lower(compute, job.sharding, job.m),  # as Pipeline.lowered_schedule does
+        job.m,
+        loss_fn,
+        pipeline_parallel_size=job.p,
+        backward=True,
     )
     optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
     clock = StepClock(job.warmup)

@@ -1,7 +1,8 @@
 """The planner: describe a model and a machine, simulate every configuration, rank them.
 
-Pure except :mod:`~lightning_bfpp.plan.profile` and :mod:`~lightning_bfpp.plan.calibrate`, which measure a
-module and this machine with torch. ``python -m lightning_bfpp.plan --help`` for the command line.
+Pure except :mod:`~lightning_bfpp.plan.profile`, :mod:`~lightning_bfpp.plan.calibrate` and
+:mod:`~lightning_bfpp.plan.emulated`, which measure a module and this machine with torch.
+``python -m lightning_bfpp.plan --help`` for the command line.
 """
 
 from lightning_bfpp.plan.cluster import Cluster

@@ -207,7 +207,7 @@ def run_profile(args: argparse.Namespace) -> None:
 def run_calibrate(args: argparse.Namespace) -> None:
     from lightning_bfpp.plan.calibrate import calibrate
 
-    cluster, _ = calibrate(args.devices, group_size=args.group_size)
+    cluster, _ = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime)
     cluster.to_json(args.out)
     print(f"wrote {args.out}: {cluster}")
 
@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(prog="python -m lightning_bfpp.plan calibrate")
         parser.add_argument("--devices", type=int, required=True)
         parser.add_argument("--group-size", type=int, default=2, help="data-parallel group size to measure")
+        parser.add_argument(
+            "--no-runtime",
+            dest="runtime",
+            action="store_false",
+            help="measure the links only; leave the runtime's per-action and per-step costs at 0",
+        )
         parser.add_argument("--out", type=Path, required=True)
         run_calibrate(parser.parse_args(argv[1:]))
     else:

@@ -1,21 +1,33 @@
-"""Measure this machine's links for the planner: point-to-point and collective time against message size.
+"""Measure this machine for the planner: its links, and the pipeline runtime's own costs.
 
-``python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json`` starts that many processes
-(gloo on CPU, NCCL on GPUs), times ping-pong transfers between two of them and all-gathers and
-reduce-scatters within a group of ``--group-size`` (the data-parallel size the plan will use), fits
-``time = fixed + bytes / bandwidth`` for each and writes a :class:`~lightning_bfpp.plan.cluster.Cluster`.
-The other processes stay idle, as most ranks' links are during a real step. One machine only shows its
-intra-node links; the inter-node bandwidth is written equal to them unless given.
+``python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json`` measures, at that many processes
+(gloo on CPU, NCCL on GPUs):
+
+- **links**: ping-pong transfers between two processes, and all-gathers and reduce-scatters within a group of
+  ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed + bytes /
+  bandwidth``; the other processes stay idle, as most ranks' links are during a real step. One machine only
+  shows its intra-node links; the inter-node bandwidth is written equal to them unless given;
+- **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 1 and
+  2 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes, twice, with 4× more schedule actions per
+  rank the second time. What the two step times have beyond the simulated ones gives the host cost per
+  schedule action and per step (Python, the step's collective, Lightning's loop), which grow with the
+  process count and are what the simulation would otherwise miss on small layers.
+
+The result is a :class:`~lightning_bfpp.plan.cluster.Cluster`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +35,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.emulated import EmulatedModel
+from lightning_bfpp.plan.simulate import PlanConfig, simulate
+
+# the runtime calibration's model: layers short against the runtime's costs, sleeping so processes share the
+# cores as they do in a real step on accelerators
+RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=1.0, backward_ms=2.0, param_numel=16_384, activation_numel=4096)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -79,7 +97,7 @@ def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size
 
         def all_gather(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
             if rank < group_size:
-                dist.all_gather_into_tensor(full, shard, group=group)
+                dist.all_gather_single(full, shard, group=group)
 
         def reduce_scatter(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
             if rank < group_size:
@@ -98,8 +116,13 @@ def calibrate(
     memory_bytes: int | None = None,
     inter_node_bandwidth: float | None = None,
     repeats: int = 10,
+    runtime: bool = True,
 ) -> tuple[Cluster, dict[str, list[tuple[int, float]]]]:
-    """Measure ``devices`` local processes; return the cluster and the raw timings."""
+    """Measure ``devices`` local processes; return the cluster and the raw timings.
+
+    ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only, seconds instead of
+    a minute or two).
+    """
     if devices < 2 or not 2 <= group_size <= devices:
         raise ValueError("calibration needs at least 2 devices and a group size between 2 and the device count")
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,4 +150,108 @@ def calibrate(
         p2p_bandwidth_ratio=p2p_bw / bandwidth,
         collective_overhead_s=max(fixed - (n - 1) * latency, 0.0),
     )
+    if runtime:
+        cluster, costs = measure_runtime(devices, cluster)
+        timings["runtime"] = costs  # type: ignore[assignment]
     return cluster, timings
+
+
+def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
+    """Two layouts over all ``devices`` that differ only in actions per rank (``2·v·m``: 4× in the second)."""
+    if devices < 2 or RUNTIME_MODEL.layers % (2 * devices):
+        raise ValueError(
+            f"the runtime calibration runs {RUNTIME_MODEL.layers} layers as 2 stages per process, which"
+            f" {devices} processes do not divide; calibrate at a power of two up to 8, or pass runtime=False"
+        )
+    return (
+        PlanConfig("breadth_first", devices, 1, 2, devices, 1),
+        PlanConfig("breadth_first", devices, 1, 2, 4 * devices, 1),
+    )
+
+
+def measure_runtime(devices: int, links: Cluster, steps: int = 6) -> tuple[Cluster, list[dict[str, float]]]:
+    """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
+
+    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own; its median step
+    time (after the first, which also infers shapes) less the simulated one (this machine's links, the
+    emulated layers' measured sleeps) is the runtime's cost, fitted as ``step + actions × action``.
+    """
+    from lightning_bfpp.plan.emulated import EmulatedNet
+    from lightning_bfpp.plan.profile import profile_module
+
+    profile = profile_module(EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),), repeats=7)
+    profile = replace(profile, optimizer_state_ratio=0.0)
+    rows = []
+    for config in runtime_configs(devices):
+        measured = run_emulated(config, RUNTIME_MODEL, steps, devices)
+        rows.append({
+            "actions": 2 * config.stages_per_rank * config.num_microbatches,
+            "measured_s": measured,
+            "simulated_s": simulate(config, profile, links).step_time,
+        })  # fmt: skip
+    per_action, per_step = fit_runtime_costs(rows)
+    return replace(links, action_overhead_s=per_action, step_overhead_s=per_step), rows
+
+
+def fit_runtime_costs(rows: list[dict[str, float]]) -> tuple[float, float]:
+    """``(per action, per step)`` seconds from two runs' ``actions`` per rank and measured and simulated steps:
+    the measured excess is ``per_step + actions × per_action`` (neither below 0)."""
+    extra = [r["measured_s"] - r["simulated_s"] for r in rows]
+    per_action = max((extra[1] - extra[0]) / (rows[1]["actions"] - rows[0]["actions"]), 0.0)
+    per_step = max(extra[0] - per_action * rows[0]["actions"], 0.0)
+    return per_action, per_step
+
+
+def run_emulated(config: PlanConfig, model: EmulatedModel, steps: int, devices: int) -> float:
+    """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        job = {"config": asdict(config), "model": asdict(model), "steps": steps, "devices": devices}
+        cmd = [sys.executable, "-m", "lightning_bfpp.plan.calibrate", json.dumps(job), str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the emulated run {config.describe()} failed:\n{proc.stderr[-3000:]}")
+        return float(json.loads(out.read_text())["step_time"])
+
+
+def _train_emulated(job: dict[str, object], out: Path) -> None:
+    """One emulated training job (``run_emulated``'s child process): Lightning starts the other processes."""
+    import lightning as L
+
+    from lightning_bfpp import BFPPStrategy
+    from lightning_bfpp.plan.emulated import EmulatedNet, emulated_loader
+
+    config = PlanConfig(**job["config"])  # type: ignore[arg-type]
+    model = EmulatedModel(**job["model"])  # type: ignore[arg-type]
+    steps = int(job["steps"])  # type: ignore[call-overload]
+    starts: list[float] = []
+
+    class StepTimes(L.Callback):
+        def on_train_batch_start(self, *args: object) -> None:
+            starts.append(time.perf_counter())
+
+        def on_train_end(self, *args: object) -> None:
+            starts.append(time.perf_counter())
+
+    strategy = BFPPStrategy(
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        stages_per_rank=config.stages_per_rank,
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule,
+        sharding=config.sharding,
+        microbatch_group_size=config.microbatch_group_size,
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=job["devices"], strategy=strategy,
+        max_steps=steps, callbacks=[StepTimes()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps))
+    if trainer.global_rank == 0:
+        durations = [b - a for a, b in itertools.pairwise(starts)][1:]
+        out.write_text(json.dumps({"step_time": statistics.median(durations), "steps": durations}))
+
+
+if __name__ == "__main__":
+    _train_emulated(json.loads(sys.argv[1]), Path(sys.argv[2]))

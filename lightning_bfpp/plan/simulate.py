@@ -42,6 +42,7 @@ class PlanConfig:
     microbatch_group_size: int | None = None
     mesh_order: str = "data_pipeline"
     stage_layer_counts: tuple[int, ...] | None = None
+    prefetch_stages: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +98,9 @@ def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Pre
     layers = profile.at_microbatch_size(config.microbatch_size)
     counts = config.stage_layer_counts or balance_by_weight([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
-    schedule = lower(generate(config.schedule, p, v, m, config.microbatch_group_size), config.sharding, m)
+    compute = generate(config.schedule, p, v, m, config.microbatch_group_size)
+    # as the runtime does (Pipeline.lowered_schedule): no gather or reduction actions without data parallelism
+    schedule = compute if dp == 1 else lower(compute, config.sharding, m, prefetch=config.prefetch_stages)
     net = links(cluster, p, dp, config.mesh_order)
     return _run(config, schedule, stages, profile, cluster, net)
 

@@ -82,6 +82,8 @@ case(
 case("reduce_in_step", "reduce_in_step", "`trainer.strategy.reduce` was called inside a step")
 case("metric_compute_in_step", "metric_compute_in_step", "a torchmetrics Metric's sync (`compute()`")
 case("metric_dist_sync_on_step", "metric_dist_sync_on_step", "the metric `synced_mae` has `dist_sync_on_step=True`")
+# SIGTERM reaching one process that is not rank 0 (a preemption notice): every rank stops at the same batch
+case("sigterm_rank1", "sigterm", "SIGTERMException", fault_rank=1, trainer={"max_steps": 6})
 # the step
 case("step_no_model", "step_no_model", "Layer `head` lives on pipeline rank 1")
 case("step_model_twice", "step_model_twice", "calls `self(...)` 2 times")

@@ -132,16 +132,16 @@ def test_prefetched_gathers_complete_while_the_previous_stage_computes(results):
 
 def test_the_first_gather_of_a_step_is_issued_before_its_host_side_preparation(results):
     """Each step's first gather starts before the batch is split and the input captured, not after: by the time
-    the ranks agree to start the schedule it is already in flight (steady state: steps 2 and 3)."""
+    the step has its schedule in hand it is already in flight (steady state: steps 2 and 3)."""
     _, res = results
     for rank_result in res["prefetch_timing"].ranks:
         first = rank_result["holdings"]["pipeline_rank"]
         for step in (2, 3):
             timed = [e for e in rank_result["timed"] if e[0] == step]
             issued = min(t for _, w, s, _, t in timed if w == "gather_issued" and s == first)
-            agreed = min(t for _, w, _, _, t in timed if w == "agree")
+            prepared = min(t for _, w, _, _, t in timed if w == "prepared")
             forward = min(t for _, w, s, _, t in timed if w == "forward_start" and s == first)
-            assert issued < agreed < forward, (step, issued, agreed, forward)
+            assert issued < prepared < forward, (step, issued, prepared, forward)
 
 
 def test_each_rank_holds_only_its_shard_of_its_stages(results):
@@ -204,3 +204,16 @@ def test_logger_on_rank_zero_writes_the_last_stage_loss(results):
     ref_steps, _ = ref.steps, ref.params
     logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert logged == pytest.approx([s["callback_metrics"]["train_loss"] for s in ref_steps], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["full_m4", "replicated"])
+def test_a_steady_step_meets_the_other_ranks_in_one_small_collective(name, results):
+    """Outside the pipeline's transfers and FSDP2's gathers and reductions, a step whose schedule is built costs
+    one collective: the all-gather that shares failures, batch shapes and logged values (step 1 builds the
+    schedule, with its check before; step 2 is steady, and the end of the run follows step 3)."""
+    _, res = results
+    for rank_result in res[name].ranks:
+        per_step = Counter((s, stage) for s, kind, stage, _ in rank_result["events"] if kind == "collective")
+        calls = {what: n for (s, what), n in per_step.items() if s == 2}
+        assert calls == {"all_gather_single": 1}, calls
+        assert per_step[(1, "all_reduce")] >= 1, "the first step checks the ranks before building its schedule"

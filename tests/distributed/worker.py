@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 import torch.distributed.pipelining.schedules as torch_schedules
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader
 import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.layers import Recompute, RemoteLayer
+from tests import models as test_models
 from tests.models import (
     RunSpec,
     StepRecorder,
@@ -50,6 +52,21 @@ from tests.models import (
     trainer_defaults,
 )
 
+# what a rank can call to meet the others outside point-to-point transfers
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "reduce_scatter_tensor",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "gather_object",
+    "barrier",
+    "monitored_barrier",
+)
 ORIGINAL_RUNTIME = (torch_schedules.record_function, torch_schedules._wait_batch_p2p)
 
 
@@ -98,6 +115,37 @@ class EventLog:
 
         fsdp_param_group.foreach_all_gather = counted_gather
         fsdp_param_group.foreach_reduce = counted_reduce
+        self._count_collectives()
+
+    def _count_collectives(self) -> None:
+        """Log every collective called through ``torch.distributed`` outside FSDP2's own gathers and reductions
+        (the strategy's per-step agreements and syncs, Lightning's, the user's) as ``[step, "collective", name]``."""
+        log, inside_fsdp = self, threading.local()
+
+        def flagged(fn: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                inside_fsdp.depth = getattr(inside_fsdp, "depth", 0) + 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    inside_fsdp.depth -= 1
+
+            return run
+
+        def counted(name: str, fn: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not getattr(inside_fsdp, "depth", 0):
+                    log.events.append([log.step, "collective", name, None])
+                return fn(*args, **kwargs)
+
+            return call
+
+        fsdp_param_group.foreach_all_gather = flagged(fsdp_param_group.foreach_all_gather)
+        fsdp_param_group.foreach_reduce = flagged(fsdp_param_group.foreach_reduce)
+        # the gradient norm StepRecorder logs for the tests is a collective of the test's own
+        test_models.gradient_norm = flagged(test_models.gradient_norm)
+        for name in COLLECTIVES:
+            setattr(dist, name, counted(name, getattr(dist, name)))
         forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
 
         def forward_one_chunk(stage, chunk, *args, **kwargs):
@@ -126,16 +174,17 @@ class EventLog:
             self.timed.append([self.step, f"{what}_end", stage, microbatch, time.perf_counter()])
 
     def install_step_marks(self) -> None:
-        """Mark when each step reaches the ranks' agreement before its schedule (its host-side preparation done)."""
+        """Mark when each step has its schedule in hand (its host-side preparation done: the batch split, the
+        input captured, on a new shape the ranks' check)."""
         from lightning_bfpp.pipeline import Pipeline
 
-        agree, log = Pipeline._agree_before_schedule, self
+        schedule_for, log = Pipeline._schedule_for, self
 
         def marked(pipeline: Any, *args: Any, **kwargs: Any) -> Any:
-            log.timed.append([log.step, "agree", None, None, time.perf_counter()])
-            return agree(pipeline, *args, **kwargs)
+            log.timed.append([log.step, "prepared", None, None, time.perf_counter()])
+            return schedule_for(pipeline, *args, **kwargs)
 
-        Pipeline._agree_before_schedule = marked  # type: ignore[method-assign]
+        Pipeline._schedule_for = marked  # type: ignore[method-assign]
 
     def stage_of(self, fsdp_params: list[Any]) -> int:
         return self.stage_of_param.get(id(fsdp_params[0].sharded_param), -1)
@@ -258,7 +307,7 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     # record how, and go on with the next run in these processes
     try:
         _run(run, devices, out, events)  # writes this rank's JSON when it finishes after all
-    except Exception as error:
+    except (Exception, SIGTERMException) as error:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
         record = {"error": f"{type(error).__name__}: {error}", "rank": rank}
         (out / f"rank{rank}.json").write_text(json.dumps(record))

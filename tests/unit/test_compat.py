@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from lightning_bfpp import _compat, _lightning_compat
 from lightning_bfpp.layers import StageModule
 from lightning_bfpp.runtime import PlannedSchedule, build_stages, to_torch_action
 from lightning_bfpp.schedule import Action, Kind, breadth_first, forward_only, lower
-from lightning_bfpp.sharding import shard_stage
 from lightning_bfpp.trace import StepTracer
 
 
@@ -70,7 +70,11 @@ class _Recorded:
 
     def __init__(self, mesh):
         torch.manual_seed(0)
-        self.modules = [shard_stage(StageModule([nn.Linear(4, 4)], s), mesh, "full_shard") for s in range(2)]
+        # FSDP2 itself on a one-rank mesh (shard_stage leaves stages plain without data parallelism): the
+        # private FSDP2 names the runtime drives are what these tests check
+        self.modules = [
+            fully_shard(StageModule([nn.Linear(4, 4)], s), mesh=mesh, reshard_after_forward=False) for s in range(2)
+        ]
         self.executed: list[str] = []
         self.loss_calls: list[bool] = []  # whether torch was inferring shapes at each loss call
         self.schedule: PlannedSchedule | None = None

@@ -141,3 +141,20 @@ def test_one_command_plan_for_a_lightning_module(capsys, tmp_path):
     from lightning_bfpp.plan import ModelProfile
 
     assert ModelProfile.from_json(tmp_path / "profile.json").microbatch_size == 8
+
+
+def test_runtime_calibration_fits_per_action_and_per_step_costs():
+    from lightning_bfpp.plan.calibrate import fit_runtime_costs, runtime_configs
+
+    # 16 and 64 actions per rank; the runtime adds 5 ms per step and 1 ms per action
+    rows = [
+        {"actions": 16, "simulated_s": 0.100, "measured_s": 0.100 + 0.005 + 0.016},
+        {"actions": 64, "simulated_s": 0.300, "measured_s": 0.300 + 0.005 + 0.064},
+    ]
+    assert fit_runtime_costs(rows) == pytest.approx((0.001, 0.005))
+    for devices in (2, 4, 8):  # the two layouts use every process and differ only in actions per rank (4×)
+        few, many = runtime_configs(devices)
+        assert few.pipeline_parallel_size * few.data_parallel_size == devices
+        assert many.num_microbatches == 4 * few.num_microbatches and many.stages_per_rank == few.stages_per_rank
+    with pytest.raises(ValueError, match="do not divide"):
+        runtime_configs(3)

@@ -1,5 +1,7 @@
 """The schedule generator, validator and data-parallel lowering, as pure functions (no processes)."""
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,11 +72,25 @@ def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
     assert strings(lowered) == [
         "0UNSHARD", "2UNSHARD",  # stage 2's gather is issued before stage 0 computes: prefetch
         "0F0", "0F1", "0F2", "0F3", "0RESHARD",
+        "0UNSHARD",  # the next other stage is 0 (its backward sweep): its gather overlaps both of stage 2's sweeps
         "2F0", "2F1", "2F2", "2F3",  # last local stage: kept from its forward sweep to its backward sweep
-        "0UNSHARD",  # prefetch stage 0 for its backward sweep
         "2B0", "2B1", "2B2", "2B3", "2REDUCE_GRAD", "2RESHARD",
         "0B0", "0B1", "0B2", "0B3", "0REDUCE_GRAD", "0RESHARD",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_prefetch_bounds_the_stages_held_at_once(prefetch):
+    for rank, actions in breadth_first(2, 4, 4).items():
+        lowered = add_sharding_actions(actions, "full_shard", 4, prefetch=prefetch)
+        assert max_resident_stages(lowered) == min(prefetch + 1, 4)
+        assert count(lowered, UNSHARD) == 2 * 4 - 1  # gathers per step do not change
+        if prefetch == 0:  # every gather is issued right before its own stage computes
+            for action, after in itertools.pairwise(lowered):
+                if action.kind is UNSHARD:
+                    assert after.is_compute and after.stage == action.stage, (rank, strings(lowered))
+    with pytest.raises(ValueError, match="non-negative int"):
+        add_sharding_actions(breadth_first(2, 2, 2)[0], "full_shard", 2, prefetch=-1)
 
 
 def test_shard_grad_op_gathers_once_per_step():

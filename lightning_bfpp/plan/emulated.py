@@ -5,6 +5,9 @@ and schedules cannot be compared. An :class:`EmulatedLayer` sleeps for its forwa
 instead (the process yields the core), while real tensors still flow: its weight (``param_numel`` fp32
 values) is gathered and its gradient reduced by FSDP2, and its activation (``activation_numel`` values
 per sample) is sent between pipeline ranks. Several processes then behave like several devices.
+
+Part of the package because ``plan calibrate`` trains such a model to measure the runtime's own cost per
+schedule action and per step on the machine it plans for; the benchmarks and tests use it too.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class EmulatedLayer(nn.Module):
         return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmulatedModel:
     """A model of ``layers`` identical emulated layers; times are per micro-batch."""
 
