@@ -1,0 +1,678 @@
+"""Hugging Face ``transformers`` models as pipelines of layers, ready for :class:`~lightning_bfpp.BFPPStrategy`.
+
+The strategy needs a LightningModule whose ``pipeline_layers()`` compose to ``forward`` and pass only tensors
+between each other. A ``transformers`` model is one ``forward`` that builds attention masks and rotary tables
+once and hands them, with a cache, to every block; this module cuts it into layers that each rebuild what
+they need from a few small tensors:
+
+- **embeddings** — ``(input_ids, attention_mask=None, position_ids=None)`` (encoders: ``token_type_ids``
+  instead of ``position_ids``) to ``(hidden_states, attention_mask, position_ids)`` (encoders:
+  ``(hidden_states, attention_mask)``). A missing mask becomes all ones, a missing ``position_ids``
+  ``arange(seq_len)[None]``, as the model's own forward does;
+- **one layer per transformer block** — builds the 4-D mask from the 2-D one with ``transformers``' own mask
+  functions (so the configured attention implementation decides its form) and, for rotary models, the
+  ``(cos, sin)`` table from ``position_ids`` with its own copy of the model's rotary embedding, then calls
+  the model's real block (``GPT2Block``, ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``BertLayer``,
+  ``RobertaLayer``) with its weights, ``use_cache=False``;
+- **head** — final norm and LM head (logits), or for encoders a pooling and a linear regression /
+  classification head.
+
+Supported: causal LMs ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2's sliding-window
+layers included), and encoders ``BertModel`` (e.g. ``sentence-transformers/all-MiniLM-L6-v2``) and
+``RobertaModel``; anything else is refused with that list. Tied input/output embeddings stay tied: the head's
+weight is the embedding layer's ``Parameter``.
+
+Models created on the meta device (``trainer.init_module(empty_init=True)``) come out right when the
+strategy materializes each rank's layers: every ``transformers`` submodule that holds tensors gets a
+``reset_parameters()`` that runs the model's own ``_init_weights`` (weights as ``from_config`` draws them,
+and non-persistent buffers such as rotary ``inv_freq`` and BERT's ``position_ids`` recomputed).
+
+:func:`export_pretrained` writes a trained module (or a checkpoint of one) back as a ``save_pretrained``
+folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.masking_utils import (
+        create_bidirectional_mask,
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+    from transformers.models.bert.modeling_bert import BertModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+    from transformers.models.roberta.modeling_roberta import RobertaModel
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "lightning_bfpp.integrations.huggingface needs `transformers` (>= 5.24): "
+        'pip install "lightning-bfpp[huggingface]"'
+    ) from error
+
+__all__ = [
+    "CAUSAL_LM_CLASSES",
+    "ENCODER_CLASSES",
+    "HFCausalLM",
+    "HFSequenceRegressor",
+    "causal_lm_layers",
+    "encoder_layers",
+    "export_pretrained",
+]
+
+CAUSAL_LM_CLASSES: tuple[type[PreTrainedModel], ...] = (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)
+ENCODER_CLASSES: tuple[type[PreTrainedModel], ...] = (BertModel, RobertaModel)
+POOLINGS = ("mean", "cls", "pooler", "none")
+
+
+def _names(classes: tuple[type, ...]) -> str:
+    return ", ".join(f"`{c.__name__}`" for c in classes)
+
+
+# -- pipeline layers --------------------------------------------------------------------------------------
+
+
+class CausalEmbedding(nn.Module):
+    """First layer of a causal LM: token embeddings (plus GPT-2's learned positions and dropout).
+
+    Returns ``(hidden_states, attention_mask, position_ids)``, everything the blocks need to rebuild their
+    masks and rotary tables on whichever rank they run.
+    """
+
+    def __init__(
+        self, embed_tokens: nn.Embedding, embed_positions: nn.Embedding | None = None, dropout: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.dropout = dropout
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:  # what the models' own forward uses without a cache
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(position_ids)
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        return hidden, attention_mask, position_ids
+
+
+def _causal_mask(
+    config: PreTrainedConfig,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    sliding: bool,
+) -> Any:
+    """The 4-D (or implementation-specific, or ``None``) mask the model's forward builds without a cache."""
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make_mask(
+        config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
+    )
+
+
+class GPT2DecoderBlock(nn.Module):
+    """One ``GPT2Block``, with the causal mask built from the 2-D attention mask as ``GPT2Model`` builds it."""
+
+    def __init__(self, block: nn.Module, config: PreTrainedConfig) -> None:
+        super().__init__()
+        self.block = block
+        self.config = config
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden, attention_mask, position_ids = inputs
+        mask = _causal_mask(self.config, hidden, attention_mask, position_ids, sliding=False)
+        hidden = self.block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
+        return hidden, attention_mask, position_ids
+
+
+class RotaryDecoderBlock(nn.Module):
+    """One Llama/Qwen2 decoder layer with its own copy of the model's rotary embedding.
+
+    The ``(cos, sin)`` table is computed here from ``position_ids`` rather than sent between stages (it is
+    larger than the hidden states' last dimension times two, and cheap to recompute); the mask is the full
+    or sliding-window causal mask that the model's config assigns to this layer.
+    """
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: PreTrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.config = config
+        layer_types = getattr(config, "layer_types", None)
+        self.sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden, attention_mask, position_ids = inputs
+        mask = _causal_mask(self.config, hidden, attention_mask, position_ids, sliding=self.sliding)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        hidden = self.layer(
+            hidden,
+            attention_mask=mask,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        return hidden, attention_mask, position_ids
+
+
+class CausalLMHead(nn.Module):
+    """Last layer of a causal LM: the final norm and the LM head, returning logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.lm_head(self.norm(inputs[0]))
+
+
+class EncoderEmbedding(nn.Module):
+    """First layer of a BERT-family encoder: the model's embeddings module (words, positions, token types)."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        return hidden, attention_mask
+
+
+class EncoderBlock(nn.Module):
+    """One ``BertLayer``/``RobertaLayer``, with the bidirectional mask built as the model's forward builds it."""
+
+    def __init__(self, layer: nn.Module, config: PreTrainedConfig) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, attention_mask = inputs
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        hidden = self.layer(hidden, mask)
+        return hidden, attention_mask
+
+
+class PoolingHead(nn.Module):
+    """Last layer of an encoder pipeline: pool the hidden states, then a linear head.
+
+    ``pooling``: ``"mean"`` over unmasked tokens (sentence-transformers' pooling), ``"cls"`` (first token),
+    ``"pooler"`` (the model's own pooler, tanh of a dense layer on the first token), or ``"none"`` for one
+    output per token (word-level tasks). The model's pooler, when it has one, lives here whatever the pooling,
+    so that every parameter has a layer and :func:`export_pretrained` writes the model back whole.
+    """
+
+    def __init__(self, hidden_size: int, num_outputs: int, pooling: str = "mean", pooler: nn.Module | None = None):
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"`pooling` must be one of {POOLINGS}; got {pooling!r}.")
+        if pooling == "pooler" and pooler is None:
+            raise ValueError('`pooling="pooler"` needs a model with a pooler (created with `add_pooling_layer=True`).')
+        self.pooling = pooling
+        self.pooler = pooler
+        self.classifier = nn.Linear(hidden_size, num_outputs)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, attention_mask = inputs
+        if self.pooling == "mean":
+            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        elif self.pooling == "cls":
+            pooled = hidden[:, 0]
+        elif self.pooling == "pooler":
+            assert self.pooler is not None
+            pooled = self.pooler(hidden)
+        else:
+            pooled = hidden
+        return self.classifier(pooled)
+
+
+def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The pipeline layers of a supported causal LM (see :data:`CAUSAL_LM_CLASSES`), sharing its modules.
+
+    Their composition is the model's ``forward(input_ids, attention_mask, position_ids).logits`` without a
+    cache. The model object itself is not needed afterwards (its modules now belong to the layers).
+    """
+    config = model.config
+    if isinstance(model, GPT2LMHeadModel):
+        if config.add_cross_attention:
+            raise ValueError("GPT-2 with cross-attention (`add_cross_attention=True`) is not supported.")
+        t = model.transformer
+        blocks: list[nn.Module] = [GPT2DecoderBlock(block, config) for block in t.h]
+        return [CausalEmbedding(t.wte, t.wpe, t.drop), *blocks, CausalLMHead(t.ln_f, model.lm_head)]
+    if isinstance(model, (LlamaForCausalLM, Qwen2ForCausalLM)):
+        base = model.model
+        rotary = base.rotary_emb
+        blocks = [
+            # each block its own rotary embedding: no buffer is shared between stages
+            RotaryDecoderBlock(layer, rotary if i == 0 else copy.deepcopy(rotary, {id(config): config}), config, i)
+            for i, layer in enumerate(base.layers[: config.num_hidden_layers])
+        ]
+        return [CausalEmbedding(base.embed_tokens), *blocks, CausalLMHead(base.norm, model.lm_head)]
+    raise TypeError(
+        f"lightning_bfpp's Hugging Face adapter pipelines the causal LMs {_names(CAUSAL_LM_CLASSES)}; got"
+        f" `{type(model).__name__}`. Load one with `AutoModelForCausalLM` (a base model such as `LlamaModel` has"
+        " no LM head), or write `pipeline_layers()` for this architecture yourself."
+    )
+
+
+def encoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The embedding and block layers of a supported encoder (see :data:`ENCODER_CLASSES`), sharing its modules.
+
+    Their composition gives ``(last_hidden_state, attention_mask)``; a head (e.g. :class:`PoolingHead`) follows.
+    """
+    if not isinstance(model, ENCODER_CLASSES):
+        raise TypeError(
+            f"lightning_bfpp's Hugging Face adapter pipelines the encoders {_names(ENCODER_CLASSES)}; got"
+            f" `{type(model).__name__}`. Load the base model with `AutoModel` (for a task model such as"
+            " `BertForSequenceClassification`, pass its `.bert`)."
+        )
+    config = model.config
+    if config.is_decoder or config.add_cross_attention:
+        raise ValueError("Encoders configured as decoders (`is_decoder` / `add_cross_attention`) are not supported.")
+    blocks: list[nn.Module] = [EncoderBlock(layer, config) for layer in model.encoder.layer]
+    return [EncoderEmbedding(model.embeddings), *blocks]
+
+
+# -- initialization of meta-device layers -----------------------------------------------------------------
+
+
+class _HFReset:
+    """``reset_parameters()`` for a ``transformers`` submodule: the model's own ``_init_weights``.
+
+    The strategy materializes a meta-device layer by calling ``reset_parameters()`` on each submodule that
+    holds tensors; ``transformers`` modules have none (norms, ``Conv1D``, rotary embeddings, BERT's
+    embeddings) or torch's (not the model's init). ``chain`` is the submodule and its ancestors inside the
+    pipeline layer, nearest first, as ``transformers`` initializes children before parents (GPT-2's
+    attention rescales its ``c_proj`` after the projection's own init). The model class and config are kept,
+    not the model, so a layer never holds other layers' modules.
+    """
+
+    def __init__(self, model_class: type[PreTrainedModel], config: PreTrainedConfig, chain: list[nn.Module]) -> None:
+        self.model_class = model_class
+        self.config = config
+        self.chain = chain
+
+    def __call__(self) -> None:
+        initializer = self.model_class.__new__(self.model_class)
+        nn.Module.__init__(initializer)
+        initializer.config = self.config
+        with torch.no_grad():
+            for module in self.chain:
+                initializer._init_weights(module)
+
+
+def _install_resets(model: PreTrainedModel, layers: list[nn.Module], hf_modules: set[int]) -> None:
+    for layer in layers:
+        by_name = dict(layer.named_modules())
+        for name, module in by_name.items():
+            if id(module) not in hf_modules:
+                continue
+            if not any(True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+                continue
+            parts = name.split(".")
+            ancestors = [by_name[".".join(parts[:i])] for i in range(len(parts), 0, -1)]
+            chain = [m for m in ancestors if id(m) in hf_modules]
+            module.reset_parameters = _HFReset(type(model), model.config, chain)
+
+
+# -- LightningModules -------------------------------------------------------------------------------------
+
+
+def _on_meta_device() -> bool:
+    return torch.empty(0).device.type == "meta"
+
+
+def _config_from_dict(values: Mapping[str, Any]) -> PreTrainedConfig:
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("A config given as a dict needs its `model_type` (as `config.to_dict()` writes it).")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _load(source: Any, auto_class: Any, attn_implementation: str | None) -> PreTrainedModel:
+    """A ``transformers`` model from a model, a config (object or dict) or a ``from_pretrained`` name/folder."""
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if isinstance(source, PreTrainedModel):
+        if attn_implementation is not None:
+            source.set_attn_implementation(attn_implementation)
+        return source
+    if isinstance(source, Mapping):
+        source = _config_from_dict(source)
+    if isinstance(source, PreTrainedConfig):
+        return auto_class.from_config(source, **kwargs)
+    if isinstance(source, (str, os.PathLike)):
+        if _on_meta_device():
+            raise ValueError(
+                f"Loading pretrained weights ({os.fspath(source)!r}) on the meta device"
+                " (`trainer.init_module(empty_init=True)`) would discard them: the strategy initializes meta layers"
+                " afresh. Create the module outside `init_module(empty_init=True)` (each rank still keeps only its"
+                " own stages' weights after setup), or pass the config there to train from scratch."
+            )
+        return auto_class.from_pretrained(source, **kwargs)
+    raise TypeError(
+        "Pass a `transformers` model, its config (object or `config.to_dict()`), or a name or folder for"
+        f" `from_pretrained`; got {type(source).__name__}."
+    )
+
+
+def _batch_fields(batch: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """A batch as a dict: a mapping as is, a tensor as ``input_ids``, a tuple/list positionally as ``names``."""
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}
+    if isinstance(batch, (tuple, list)) and len(batch) <= len(names):
+        return dict(zip(names, batch, strict=False))
+    raise TypeError(
+        f"Expected a batch as a dict (`input_ids`, `attention_mask`, `labels`), a tuple in that order, or a tensor"
+        f" of input ids; got {type(batch).__name__}."
+    )
+
+
+class _HFPipelineModule(L.LightningModule):
+    """What both wrappers share: the layers, the optimizer, and the names ``transformers`` gives the weights."""
+
+    embed: nn.Module
+    blocks: nn.ModuleList
+    head: nn.Module
+
+    def _adopt(self, model: PreTrainedModel, layers: list[nn.Module], head: nn.Module) -> None:
+        hf_modules = {id(m) for m in model.modules()}
+        # the rotary embeddings' copies are `transformers` modules too
+        hf_modules.update(
+            id(m) for layer in layers for m in layer.modules() if type(m).__module__.startswith("transformers.")
+        )
+        _install_resets(model, [*layers, head], hf_modules)
+        self.hf_config = model.config
+        self.embed = layers[0]
+        self.blocks = nn.ModuleList(layers[1:])
+        self.head = head
+        # `transformers` name -> this module's name, by identity (works on the meta device too): how
+        # `export_pretrained` turns this module's state dict back into the model's
+        owner: dict[int, str] = {}
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            owner.setdefault(id(tensor), name)
+        self.hf_names = {name: owner[id(tensor)] for name, tensor in model.state_dict(keep_vars=True).items()}
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This module's state dict as full CPU tensors; on one process (or called on every rank alike).
+
+        Refused while other pipeline ranks hold layers (after a multi-process ``fit``): save a checkpoint and
+        pass it to :func:`export_pretrained` instead.
+        """
+        from torch.distributed.tensor import DTensor
+
+        from lightning_bfpp.layers import RemoteLayer
+
+        remote = [n for n, m in self.named_modules() if isinstance(m, RemoteLayer)]
+        if remote:
+            raise RuntimeError(
+                f"This process holds only some layers (`{remote[0]}` is on another pipeline rank). Export from a"
+                " checkpoint instead: `trainer.save_checkpoint(path)`, then `export_pretrained(path, out_dir)`."
+            )
+        state = self.state_dict()
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights under their ``transformers`` names (see :meth:`full_state_dict`)."""
+        full = self.full_state_dict()
+        return {hf: full[ours] for hf, ours in self.hf_names.items()}
+
+
+class HFCausalLM(_HFPipelineModule):
+    """A ``transformers`` causal LM (GPT-2, Llama, Qwen2) as a pipelinable LightningModule.
+
+    ``model``: a ``GPT2LMHeadModel``/``LlamaForCausalLM``/``Qwen2ForCausalLM``, its config (object, or
+    ``config.to_dict()``), or a name/folder for ``AutoModelForCausalLM.from_pretrained``. The steps take
+    batches as dicts (``input_ids``, optional ``attention_mask`` and ``labels``), tuples in that order, or a
+    tensor of ids, and compute ``transformers``' shifted cross entropy (``labels`` default to ``input_ids``
+    with padding ignored); they log ``train_loss`` / ``val_loss`` / ``test_loss``.
+
+    Under the strategy a step's loss is a mean over its micro-batch: with padding, equal to the one-device
+    token mean only when every micro-batch has the same number of label tokens (e.g. packed sequences).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        lr: float = 5e-5,
+        weight_decay: float = 0.0,
+        attn_implementation: str | None = None,
+    ) -> None:
+        super().__init__()
+        hf_model = _load(model, AutoModelForCausalLM, attn_implementation)
+        layers = causal_lm_layers(hf_model)
+        self._adopt(hf_model, layers[:-1], layers[-1])
+        # the config as a dict, so `load_from_checkpoint` and `export_pretrained` rebuild the same model
+        self.save_hyperparameters(
+            {
+                "model": hf_model.config.to_dict(),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "attn_implementation": hf_model.config._attn_implementation,
+            }
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids, attention_mask, position_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
+        input_ids = fields["input_ids"]
+        attention_mask = fields.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        logits = self(input_ids, attention_mask)
+        labels = fields.get("labels")
+        if labels is None:
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+        return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+
+class HFSequenceRegressor(_HFPipelineModule):
+    """A BERT-family encoder with a pooling and a linear head, for sentence- or word-level tasks.
+
+    ``model``: a ``BertModel``/``RobertaModel``, its config, or a name/folder for ``AutoModel.from_pretrained``
+    (``sentence-transformers/all-MiniLM-L6-v2`` is a ``BertModel``). ``num_labels=None`` is regression (one
+    output, MSE against float labels); ``num_labels=k`` is classification (cross entropy against class
+    indices). ``pooling`` is ``"mean"`` (default), ``"cls"``, ``"pooler"`` or ``"none"`` (one prediction per
+    token; labels ``-100`` and padded tokens are ignored). Batches: dicts with ``input_ids``, optional
+    ``attention_mask`` / ``token_type_ids``, and ``labels`` (or ``label``), or tuples
+    ``(input_ids, attention_mask, labels)``. Logs ``train_loss`` / ``val_loss`` / ``test_loss``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        num_labels: int | None = None,
+        pooling: str = "mean",
+        lr: float = 5e-5,
+        weight_decay: float = 0.0,
+        attn_implementation: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_labels is not None and num_labels < 2:
+            raise ValueError(f"`num_labels` must be None (regression) or at least 2 (classes); got {num_labels}.")
+        hf_model = _load(model, AutoModel, attn_implementation)
+        layers = encoder_layers(hf_model)
+        head = PoolingHead(hf_model.config.hidden_size, num_labels or 1, pooling, getattr(hf_model, "pooler", None))
+        self._adopt(hf_model, layers, head)
+        self.num_labels = num_labels
+        self.save_hyperparameters(
+            {
+                "model": hf_model.config.to_dict(),
+                "num_labels": num_labels,
+                "pooling": pooling,
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "attn_implementation": hf_model.config._attn_implementation,
+            }
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids, attention_mask, token_type_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
+        input_ids = fields["input_ids"]
+        attention_mask = fields.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        token_type_ids = fields.get("token_type_ids")
+        if token_type_ids is None:
+            out = self(input_ids, attention_mask)
+        else:
+            out = self(input_ids, attention_mask, token_type_ids)
+        labels = fields["labels"] if "labels" in fields else fields["label"]
+        token_level = self.head.pooling == "none"
+        if self.num_labels is not None:
+            if token_level:
+                labels = labels.masked_fill(attention_mask == 0, -100)
+            return F.cross_entropy(out.reshape(-1, self.num_labels).float(), labels.reshape(-1).long())
+        out = out.squeeze(-1).float()
+        labels = labels.to(out.dtype)
+        if not token_level:
+            return F.mse_loss(out, labels)
+        weights = attention_mask.to(out.dtype)
+        return ((out - labels) ** 2 * weights).sum() / weights.sum().clamp(min=1.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+
+# -- export -----------------------------------------------------------------------------------------------
+
+TASK_HEAD_FILE = "bfpp_task_head.pt"
+
+
+def _module_from_checkpoint(path: Path) -> tuple[_HFPipelineModule, dict[str, torch.Tensor]]:
+    """The module (built on the meta device, for its names) and the full state dict of a checkpoint."""
+    if path.is_dir():
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+        checkpoint = _load_distributed_checkpoint(path)
+        state = checkpoint.get("model")
+    else:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        state = checkpoint.get("state_dict")
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if state is None or "model" not in hparams:
+        raise ValueError(
+            f"{path} is not a checkpoint of an `HFCausalLM`/`HFSequenceRegressor` (it lacks the weights or the"
+            " `model` hyper-parameter that holds the config)."
+        )
+    cls = HFSequenceRegressor if "pooling" in hparams else HFCausalLM
+    with torch.device("meta"):
+        module = cls(**hparams)
+    return module, state
+
+
+def export_pretrained(
+    source: _HFPipelineModule | str | os.PathLike[str], out_dir: str | os.PathLike[str], **save_kwargs: Any
+) -> Path:
+    """Write a trained :class:`HFCausalLM` / :class:`HFSequenceRegressor` as a ``save_pretrained`` folder.
+
+    ``source`` is the module itself (on one process: after ``fit`` with ``strategy="auto"``, or after a
+    pipelined ``fit`` of a single process), a checkpoint file (one-device, or made by
+    ``python -m lightning.pytorch.utilities.consolidate_checkpoint``), or a ``BFPPStrategy`` checkpoint folder
+    (read whole, on one process). ``AutoModelForCausalLM.from_pretrained(out_dir)`` (causal LMs) or
+    ``AutoModel.from_pretrained(out_dir)`` (encoders) then loads the trained model; an encoder's task head,
+    which ``transformers`` does not know, is saved beside it in ``bfpp_task_head.pt``
+    (``{"pooling", "num_labels", "state_dict"}``). ``save_kwargs`` go to ``save_pretrained``.
+    """
+    if isinstance(source, _HFPipelineModule):
+        module, full = source, source.full_state_dict()
+    else:
+        module, full = _module_from_checkpoint(Path(source))
+    state = {hf: full[ours] for hf, ours in module.hf_names.items()}
+    config = copy.deepcopy(module.hf_config)
+    auto_class = AutoModel if isinstance(module, HFSequenceRegressor) else AutoModelForCausalLM
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    model = auto_class.from_config(config, dtype=dtypes.pop() if len(dtypes) == 1 else None)
+    model.load_state_dict(state, strict=True)
+    out = Path(out_dir)
+    model.save_pretrained(out, **save_kwargs)
+    if isinstance(module, HFSequenceRegressor):
+        head = {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.classifier.")}
+        torch.save(
+            {"pooling": module.head.pooling, "num_labels": module.num_labels, "state_dict": head}, out / TASK_HEAD_FILE
+        )
+    return out

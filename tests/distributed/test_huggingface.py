@@ -1,0 +1,113 @@
+"""Hugging Face models trained under the pipeline equal one-device training, for each supported family.
+
+GPT-2, Llama, Qwen2 (with sliding-window layers) causal LMs and a BERT regressor, built from tiny random
+configs by ``tests.hf_models``, are trained with (p, dp, v, m) = (2, 2, 2, 4) on 4 CPU processes and with
+``strategy="auto"`` on one process on the same global batches; every step's loss on every rank and every
+final parameter must agree within 1e-5 relative in fp32. Hidden states cross stages with the attention mask
+(padded batches) and position ids; rotary tables and masks are rebuilt on each stage. All runs share one
+launch. Each run's checkpoint exports to a `from_pretrained` folder with the trained weights. A Qwen2 created
+on the meta device trains from its own init; a tied-embeddings GPT-2 either gets the core's refusal of tied
+weights on every rank, or trains.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+from lightning_bfpp.integrations.huggingface import export_pretrained
+from tests.distributed.harness import assert_steps_match, launch, run_2x2
+from tests.hf_models import VOCAB, hf_module, hf_reference_run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+TOL = 1e-5
+# an attention key bias gets no gradient in exact arithmetic (a query's softmax ignores a shift shared by all
+# its keys), only rounding noise that depends on the summation order: compared absolutely, not relatively
+ATOL = 1e-6
+FAMILIES = ("gpt2", "llama", "qwen2", "bert")
+
+
+def hf_run(name: str, family: str, **kwargs):
+    # 3 blocks: 5 layers over 4 stages, so one stage runs two layers and passes the tuple between them
+    return run_2x2(
+        name,
+        model={"family": family, "layers": 3, **kwargs.pop("model", {})},
+        model_factory="tests.hf_models:hf_module",
+        loader_factory="tests.hf_models:hf_loader",
+        **kwargs,
+    )
+
+
+# each run also saves a checkpoint at its end, which `export_pretrained` turns into a `from_pretrained` folder
+EQUIVALENCE = [hf_run(f"hf_{family}", family, checks=["save_at_end"]) for family in FAMILIES]
+# created under `trainer.init_module(empty_init=True)`: each rank materializes its own layers (rotary tables
+# included) with the model's init, so the weights are not the reference's; it must train like a fresh model
+META = hf_run("hf_qwen2_empty_init", "qwen2", checks=["empty_init"])
+TIED = hf_run("hf_gpt2_tied", "gpt2", model={"tie": True}, expect_error=True)
+RUNS = [*EQUIVALENCE, META, TIED]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("huggingface")
+    return workdir, launch(RUNS, 4, workdir, timeout=480)
+
+
+@pytest.fixture(scope="module")
+def results(launched):
+    return launched[1]
+
+
+@pytest.mark.parametrize("run", EQUIVALENCE, ids=lambda r: r.name)
+def test_matches_single_device(run, results):
+    ref = hf_reference_run(run)
+    assert len(ref.steps) == 6
+    result = results[run.name]
+    assert_steps_match(result, ref, tol=TOL)
+    assert set(result.params) == set(ref.params)
+    for name, want in ref.params.items():
+        error = (result.params[name].double() - want.double()).norm().item()
+        assert error <= TOL * want.double().norm().item() + ATOL, f"{name}: {error:.2e}"
+    # the weights moved, so agreeing is not trivial
+    initial = dict(hf_module(run).named_parameters())
+    moved = [(ref.params[k] - initial[k].detach()).norm() / initial[k].detach().norm() for k in ref.params]
+    assert sorted(moved)[len(moved) // 2] > 1e-3
+
+
+@pytest.mark.parametrize("run", EQUIVALENCE, ids=lambda r: r.name)
+def test_export_from_the_pipelined_checkpoint(run, launched, tmp_path):
+    """The BFPPStrategy checkpoint folder, exported on one process, loads with `from_pretrained` holding exactly
+    the weights the pipelined run ended with."""
+    workdir, results = launched
+    out = export_pretrained(workdir / "out" / run.name / "end.ckpt", tmp_path / "exported")
+    auto = AutoModel if run.model["family"] == "bert" else AutoModelForCausalLM
+    loaded = auto.from_pretrained(out).state_dict()
+    trained = results[run.name].params
+    names = hf_module(run).hf_names
+    assert set(loaded) == set(names)
+    for hf_name, ours in names.items():
+        assert torch.equal(loaded[hf_name], trained[ours]), hf_name
+
+
+def test_meta_device_model_trains(results):
+    ranks = results[META.name].ranks
+    losses = [[s["callback_metrics"]["train_loss"] for s in r["steps"]] for r in ranks]
+    assert len(losses[0]) == 6 and all(rank == losses[0] for rank in losses)  # every rank logs the same
+    # the model's own init (std 0.02) predicts nearly uniformly at first: about ln(vocabulary size)
+    assert abs(losses[0][0] - math.log(VOCAB)) < 0.05, losses[0]
+    assert all(math.isfinite(v) for v in losses[0]) and losses[0][-1] < losses[0][0]
+
+
+def test_tied_embeddings_are_refused_clearly_or_train(results):
+    errors = [r["error"] for r in results[TIED.name].ranks]
+    if all(e is None for e in errors):
+        return  # the core supports ties across stages: the run trained to its end on every rank
+    assert len(set(errors)) == 1, errors  # the same message on every rank, no hang
+    assert "tied weights" in errors[0], errors[0]

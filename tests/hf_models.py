@@ -1,0 +1,168 @@
+"""Tiny ``transformers`` models and token data for the Hugging Face adapter's tests (no downloads).
+
+- :func:`tiny_config`: a few-layer random config of each supported family, built from the family's own config
+  class, dropout off (so one device and the pipeline draw nothing).
+- :func:`hf_module` (``RunSpec.model_factory``): ``HFCausalLM`` or ``HFSequenceRegressor`` from
+  ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ...}``.
+- :func:`hf_loader` (``RunSpec.loader_factory``) and :func:`hf_reference_run`: the same token data for the
+  pipelined run and its one-device reference (``tests.models.reference_run`` builds the regression data of
+  ``PipeNet``; this one builds token batches, with the same sampler).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config, RobertaConfig
+
+from lightning_bfpp.integrations.huggingface import HFCausalLM, HFSequenceRegressor
+from tests.models import Reference, RunSpec, StepRecorder, trainer_defaults
+
+VOCAB = 100
+SEQ_LEN = 12
+CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2")
+ENCODER_FAMILIES = ("bert", "roberta")
+
+
+def tiny_config(family: str, *, layers: int = 2, tie: bool = False) -> Any:
+    """A random config of ``family`` with hidden size 32, 4 heads and ``layers`` blocks."""
+    if family == "gpt2":
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tie,
+        )
+    decoder = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # grouped-query attention
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tie,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if family == "llama":
+        return LlamaConfig(**decoder)
+    if family == "qwen2":
+        # the layers above the first use a 4-token sliding window: both of Qwen2's mask kinds
+        return Qwen2Config(**decoder, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    encoder = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+    if family == "bert":
+        return BertConfig(**encoder)
+    if family == "roberta":
+        return RobertaConfig(**encoder, pad_token_id=1)
+    raise ValueError(family)
+
+
+class SGDCausalLM(HFCausalLM):
+    """SGD instead of AdamW: Adam scales each update by the gradient's own size, which hides a wrong 1/m or 1/dp
+    and turns rounding noise in near-zero gradients into full-size updates."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class SGDSequenceRegressor(HFSequenceRegressor):
+    """See :class:`SGDCausalLM`."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+def hf_module(run: RunSpec) -> L.LightningModule:
+    """The module ``run.model`` describes; ``"optimizer": "sgd"`` (``run_2x2``'s default) trains with SGD."""
+    spec = run.model
+    family = spec["family"]
+    sgd = spec.get("optimizer") == "sgd"
+    torch.manual_seed(spec.get("seed", 0))
+    config = tiny_config(family, layers=spec.get("layers", 2), tie=spec.get("tie", False))
+    if family in CAUSAL_FAMILIES:
+        return (SGDCausalLM if sgd else HFCausalLM)(config, lr=spec.get("lr", 0.05 if sgd else 1e-3))
+    lr = spec.get("lr", 0.001)  # MSE on a random target: a larger step diverges
+    regressor = SGDSequenceRegressor if sgd else HFSequenceRegressor
+    return regressor(config, num_labels=spec.get("num_labels"), pooling=spec.get("pooling", "mean"), lr=lr)
+
+
+class TokenData(Dataset):
+    """Random token sequences with padding, the same on every process.
+
+    Causal LMs: every sample has the same number of label tokens (9 of 12, left or right padded), so every
+    micro-batch holds as many and its mean loss composes into the one-device token mean.
+    Encoders: padding of varying length, and a regression target (or class) per sample.
+    """
+
+    def __init__(self, family: str, num_samples: int = 64, seed: int = 1, num_labels: int | None = None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(3, VOCAB, (num_samples, SEQ_LEN), generator=g)
+        self.attention_mask = torch.ones(num_samples, SEQ_LEN, dtype=torch.long)
+        causal = family in CAUSAL_FAMILIES
+        for i in range(num_samples):
+            if causal and i % 2:  # left padding on odd samples: labels at positions 3 … 11
+                self.attention_mask[i, :3] = 0
+            elif causal:  # right padding: labels at 1 … 9 (the shift drops position 0's), 9 as well
+                self.attention_mask[i, SEQ_LEN - 2 :] = 0
+            else:
+                pad = int(torch.randint(0, SEQ_LEN // 2, (), generator=g))
+                self.attention_mask[i, SEQ_LEN - pad :] = 0
+        self.input_ids[self.attention_mask == 0] = 0
+        if num_labels is None:
+            self.labels: torch.Tensor = torch.randn(num_samples, generator=g)
+        else:
+            self.labels = torch.randint(0, num_labels, (num_samples,), generator=g)
+        self.causal = causal
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}
+        if not self.causal:
+            item["labels"] = self.labels[i]
+        return item
+
+
+def token_data(run: RunSpec) -> TokenData:
+    return TokenData(run.model["family"], num_labels=run.model.get("num_labels"), **run.data)
+
+
+def hf_loader(run: RunSpec, trainer: L.Trainer) -> DataLoader:
+    return DataLoader(token_data(run), batch_size=run.local_batch_size)
+
+
+def hf_reference_run(run: RunSpec) -> Reference:
+    """``run`` trained on one process with ``strategy="auto"`` on the global batches (see ``reference_run``)."""
+    model = hf_module(run)
+    data = token_data(run)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)
+    recorder = StepRecorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **trainer_defaults(run))
+    trainer.fit(model, loader)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return Reference(recorder.steps, params, recorder.validations, {"out": Path(tempfile.gettempdir())})

@@ -1,0 +1,257 @@
+"""The Hugging Face adapter on one process: layers that compose to the model's own forward, meta-device
+creation, the loss, and export back to ``from_pretrained``; tiny random configs, no downloads."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoModel, AutoModelForCausalLM, BertForSequenceClassification, LlamaModel
+
+from lightning_bfpp.integrations.huggingface import (
+    TASK_HEAD_FILE,
+    HFCausalLM,
+    HFSequenceRegressor,
+    causal_lm_layers,
+    encoder_layers,
+    export_pretrained,
+)
+from lightning_bfpp.layers import keep_local_layers, materialize_remaining, pipeline_layers
+from tests.hf_models import CAUSAL_FAMILIES, ENCODER_FAMILIES, VOCAB, tiny_config
+
+TOL = 1e-5
+FAMILIES = CAUSAL_FAMILIES + ENCODER_FAMILIES
+
+
+def inputs(padded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (3, 10), generator=g)
+    if not padded:
+        return ids, None
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 6:] = 0  # right padding
+    return ids, mask
+
+
+def hf_model(family: str, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModel
+    return auto.from_config(tiny_config(family, **kwargs)).eval()
+
+
+def hf_output(model, family: str, ids, mask) -> torch.Tensor:
+    """What the model's own forward returns: logits, or an encoder's last hidden state."""
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if family in CAUSAL_FAMILIES else out.last_hidden_state
+
+
+def compose(layers, ids, mask) -> torch.Tensor:
+    x = layers[0](ids, mask)
+    for layer in layers[1:]:
+        x = layer(x)
+    return x[0] if isinstance(x, tuple) else x
+
+
+def module_output(module, family: str, ids, mask) -> torch.Tensor:
+    """The module's layers run as the pipeline runs them; an encoder's without its pooling head."""
+    layers = module.pipeline_layers()
+    return compose(layers if family in CAUSAL_FAMILIES else layers[:-1], ids, mask)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item())
+
+
+def make_module(family: str, source, **kwargs):
+    if family in CAUSAL_FAMILIES:
+        return HFCausalLM(source, **kwargs)
+    return HFSequenceRegressor(source, **kwargs)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "padding"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_compose_to_the_models_forward(family, padded):
+    model = hf_model(family, layers=3)
+    ids, mask = inputs(padded)
+    with torch.no_grad():
+        want = hf_output(model, family, ids, mask)
+        layers = causal_lm_layers(model) if family in CAUSAL_FAMILIES else encoder_layers(model)
+        got = compose(layers, ids, mask)
+        assert_close(got, want)
+        # and the LightningModule's forward is that composition, ready for strategy="auto"
+        module = make_module(family, model).eval()
+        assert_close(module_output(module, family, ids, mask), want)
+        if family in CAUSAL_FAMILIES:
+            assert_close(module(ids, mask), want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_parameter_in_one_layer_and_only_tensors_between_layers(family):
+    module = make_module(family, tiny_config(family))
+    named = pipeline_layers(module)  # the core's checks: every parameter in exactly one layer, no aliases
+    assert [n for n, _ in named] == ["embed", "blocks.0", "blocks.1", "head"]
+    ids, mask = inputs(padded=True)
+    x = module.embed(ids, mask)
+    for block in module.blocks:
+        assert isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x)
+        x = block(x)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_meta_device_creation_materializes_like_a_normal_model(family):
+    """Created as `trainer.init_module(empty_init=True)` creates it, materialized as the strategy does: the
+    non-persistent buffers (rotary `inv_freq`, BERT's `position_ids`) are right, the weights are initialized
+    by the model's own init, and with the same weights the outputs are the normally created model's."""
+    torch.manual_seed(0)
+    normal = make_module(family, tiny_config(family)).eval()
+    with torch.device("meta"):
+        meta = make_module(family, tiny_config(family))
+    assert all(t.is_meta for t in meta.state_dict().values())
+    named = pipeline_layers(meta)
+    keep_local_layers(meta, named, [0] * len(named), 0, torch.device("cpu"))
+    materialize_remaining(meta, torch.device("cpu"))
+    buffers = dict(normal.named_buffers())
+    for name, buffer in meta.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    params = dict(meta.named_parameters())
+    assert not any(p.is_meta for p in params.values())
+    for name, p in params.items():  # the model's init: norms start at one, matrices at std ~0.02
+        if "norm" in name.lower() or name.endswith("ln_1.weight"):
+            assert torch.all(p == 1) or torch.all(p == 0), name
+        elif "embed" in name and p.dim() == 2:
+            assert 0.01 < p.std().item() < 0.03, name
+    meta.load_state_dict(normal.state_dict())
+    meta.eval()
+    ids, mask = inputs(padded=True)
+    with torch.no_grad():
+        assert_close(module_output(meta, family, ids, mask), module_output(normal, family, ids, mask))
+
+
+def test_pretrained_weights_are_not_loaded_on_the_meta_device(tmp_path):
+    hf_model("llama").save_pretrained(tmp_path)
+    with torch.device("meta"), pytest.raises(ValueError, match="would discard them"):
+        HFCausalLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_causal_loss_is_the_models_own(family):
+    model = hf_model(family)
+    module = HFCausalLM(model)
+    ids, mask = inputs(padded=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        got = module._loss({"input_ids": ids, "attention_mask": mask})
+        assert_close(got, want)
+        assert_close(module._loss((ids, mask, labels)), want)
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "pooling"), [(None, "mean"), (3, "cls"), (None, "pooler"), (4, "none"), (None, "none")]
+)
+def test_regressor_heads_and_losses(num_labels, pooling):
+    torch.manual_seed(0)
+    module = HFSequenceRegressor(tiny_config("bert"), num_labels=num_labels, pooling=pooling)
+    ids, mask = inputs(padded=True)
+    out = module(ids, mask)
+    width = num_labels or 1
+    assert out.shape == ((3, 10, width) if pooling == "none" else (3, width))
+    shape = (3, 10) if pooling == "none" else (3,)
+    labels = torch.randint(0, width, shape) if num_labels else torch.randn(shape)
+    loss = module._loss({"input_ids": ids, "attention_mask": mask, "label": labels})
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    if pooling == "mean" and num_labels is None:  # sentence-transformers' mean pooling of the hidden states
+        hidden = module_output(module, "bert", ids, mask)
+        w = mask.unsqueeze(-1).float()
+        pred = module.head.classifier((hidden * w).sum(1) / w.sum(1)).squeeze(-1)
+        assert_close(loss, torch.nn.functional.mse_loss(pred, labels))
+
+
+def test_unsupported_models_are_refused_with_what_is_supported():
+    torch.manual_seed(0)
+    base = LlamaModel(tiny_config("llama"))
+    with pytest.raises(TypeError, match=r"`GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM`; got `LlamaModel`"):
+        HFCausalLM(base)
+    with pytest.raises(TypeError, match=r"`BertModel`, `RobertaModel`; got `BertForSequenceClassification`"):
+        HFSequenceRegressor(BertForSequenceClassification(tiny_config("bert")))
+
+
+def test_tied_embeddings_stay_one_parameter():
+    """GPT-2's default: the head's weight is the embedding's Parameter, in two layers. The core either refuses
+    that with its tied-weights message or accepts it (once it supports ties across stages)."""
+    torch.manual_seed(0)
+    module = HFCausalLM(tiny_config("gpt2", tie=True))
+    assert module.head.lm_head.weight is module.embed.embed_tokens.weight
+    try:
+        named = pipeline_layers(module)
+    except ValueError as error:
+        assert "tied weights" in str(error)
+    else:
+        assert named[0][0] == "embed"
+
+
+def perturbed(module) -> None:
+    """Move every weight, so an export of the initial weights could not pass."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("source", ["module", "checkpoint_file", "bfpp_folder"])
+@pytest.mark.parametrize("family", [*CAUSAL_FAMILIES, "bert", "gpt2_tied"])
+def test_export_loads_with_from_pretrained_and_gives_equal_outputs(family, source, tmp_path):
+    tie = family == "gpt2_tied"
+    family = family.removesuffix("_tied")
+    torch.manual_seed(0)
+    module = make_module(
+        family, tiny_config(family, tie=tie), **({} if family in CAUSAL_FAMILIES else {"num_labels": 3})
+    )
+    perturbed(module)
+    module.eval()
+    if source == "module":
+        what = module
+    elif source == "checkpoint_file":  # one-device, or consolidated: Lightning's checkpoint layout
+        what = tmp_path / "model.ckpt"
+        torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, what)
+    else:  # BFPPStrategy's folder: DCP "model" with the module's names, and meta.pt
+        what = tmp_path / "bfpp.ckpt"
+        dcp.save({"model": module.state_dict()}, checkpoint_id=what, no_dist=True)
+        torch.save({"hyper_parameters": dict(module.hparams)}, what / "meta.pt")
+    out = export_pretrained(what, tmp_path / "exported")
+    auto = AutoModelForCausalLM if family in CAUSAL_FAMILIES else AutoModel
+    loaded = auto.from_pretrained(out).eval()
+    ids, mask = inputs(padded=True)
+    with torch.no_grad():
+        assert_close(hf_output(loaded, family, ids, mask), module_output(module, family, ids, mask))
+    if tie:
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    if family in ENCODER_FAMILIES:
+        head = torch.load(out / TASK_HEAD_FILE)
+        assert head["num_labels"] == 3 and head["pooling"] == "mean"
+        assert torch.equal(head["state_dict"]["classifier.weight"], module.head.classifier.weight.detach())
+
+
+def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
+    torch.manual_seed(0)
+    module = HFCausalLM(tiny_config("qwen2"), lr=3e-3)
+    perturbed(module)
+    path = tmp_path / "m.ckpt"
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            "pytorch-lightning_version": "2.6",
+        },
+        path,
+    )
+    loaded = HFCausalLM.load_from_checkpoint(path).eval()
+    ids, mask = inputs(padded=True)
+    with torch.no_grad():
+        assert_close(loaded(ids, mask), module.eval()(ids, mask))
+    assert loaded.hparams.lr == 3e-3
