@@ -238,3 +238,14 @@ __all__ = [
     "stored_precision_plugin",
     "unwrap_optimizer",
 ]
+
+
+# -- checkpoint consolidation ----------------------------------------------------------------------
+
+
+def consolidated_checkpoint(folder: Any) -> dict[str, Any]:
+    """What ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` writes for a DCP ``folder``."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    return _format_checkpoint(_load_distributed_checkpoint(folder))

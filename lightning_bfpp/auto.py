@@ -1,10 +1,11 @@
-"""``pipeline_parallel_size="auto"``: let the planner choose the layout from a measured profile.
+"""``pipeline_parallel_size="auto"`` and ``partition="time"``: layouts from a measured profile.
 
 At setup, global rank 0 measures the module's layers on its device with one real training batch
 (:mod:`lightning_bfpp.plan.profile`), describes the machine (:class:`~lightning_bfpp.plan.cluster.Cluster`,
 given or derived from the devices), simulates every feasible pipeline size (and, where they are
 ``"auto"`` too, stages per rank and micro-batch counts) for the configured schedule and sharding, and
-broadcasts the fastest to every rank; all ranks then build the same mesh.
+broadcasts the fastest to every rank; all ranks then build the same mesh. ``partition="time"`` measures the
+same way and broadcasts each layer's forward + backward time, which the partitioner balances.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ def load_cluster(cluster: Cluster | str | Path | None, world_size: int, per_node
     return replace(cluster, num_devices=world_size, devices_per_node=per_node)
 
 
-def measure_profile(module: LightningModule, trainer: Trainer, device: torch.device) -> ModelProfile:
+def measure_profile(
+    module: LightningModule,
+    trainer: Trainer,
+    device: torch.device,
+    what: str = "BFPPStrategy(pipeline_parallel_size='auto')",
+    instead: str = "a fixed pipeline_parallel_size",
+) -> ModelProfile:
     """Profile the module on one training batch (its micro-batch size is the per-replica batch size)."""
     from lightning_bfpp.plan.profile import profile_module
 
     if any(p.is_meta for p in module.parameters()):
         raise RuntimeError(
-            "BFPPStrategy(pipeline_parallel_size='auto') measures the model's layers on one device, but the model"
-            " is on the meta device. Pass `plan_profile=` (a ModelProfile or its JSON) or a fixed"
-            " pipeline_parallel_size."
+            f"{what} measures the model's layers on one device, but the model is on the meta device. Pass"
+            f" `plan_profile=` (a ModelProfile or its JSON) or {instead}."
         )
     batch = next(iter(request_train_dataloader(trainer)))
     batch = trainer.strategy.batch_to_device(batch, device)
@@ -64,6 +70,35 @@ def measure_profile(module: LightningModule, trainer: Trainer, device: torch.dev
         return profile_module(module, batch)
     finally:
         module.to(original)
+
+
+def layer_times(
+    module: LightningModule,
+    trainer: Trainer,
+    profile: ModelProfile | None,
+    device: torch.device,
+    is_global_zero: bool,
+) -> list[float]:
+    """``partition="time"``: each layer's forward + backward time, from ``profile`` or measured on global rank 0
+    with one training batch, and the same on every rank (one broadcast; a failure is raised everywhere)."""
+    box: list[Any] = [None]
+    if is_global_zero:
+        try:
+            if profile is None:
+                profile = measure_profile(
+                    module, trainer, device, "BFPPStrategy(partition='time')", "partition='parameters'"
+                )
+            box[0] = [layer.forward_s + layer.backward_s for layer in profile.layers]
+        except Exception as error:  # measured on rank 0 only: share the failure, never hang
+            box[0] = RuntimeError(
+                f"BFPPStrategy(partition='time'): measuring the layers on global rank 0 failed:"
+                f" {type(error).__name__}: {error}"
+            )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise AgreedError(str(box[0]))
+    return box[0]
 
 
 def _choose_here(

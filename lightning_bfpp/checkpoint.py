@@ -18,6 +18,12 @@ other ranks before anyone goes on, so all ranks raise the same :class:`Checkpoin
 waiting forever in the next collective. A checkpoint is checked against the module before anything is
 loaded: its files must be complete and its names and global shapes must be the module's.
 
+A parameter tied across pipeline stages (see :mod:`lightning_bfpp.tied`) has one copy per stage; it is stored
+once, under its canonical name (the owner's, the name a one-device model's ``named_parameters()`` reports),
+for its value and its optimizer state, and every copy is restored from that entry. ``aliases`` (every other
+name of such a parameter -> its canonical name) says which names those are. ``meta.pt`` records them, so
+that :func:`consolidate` writes a file holding both names, as a one-device tied model's ``state_dict`` does.
+
 Data-loader states (torchdata's ``StatefulDataLoader``) differ between data-parallel replicas, since each
 reads its own share of the data; ``meta.pt`` keeps one per replica (:func:`gather_loader_states`) and each
 replica gets its own back (:func:`replica_loader_states`).
@@ -54,6 +60,8 @@ MODEL_KEY = "model"
 METADATA_FILENAME = "meta.pt"
 # meta.pt's entry holding every data-parallel replica's data-loader states
 LOADER_STATES_KEY = "bfpp_loader_states"
+# meta.pt's entry naming the tied parameters' other names and their canonical names
+TIED_KEY = "bfpp_tied_parameters"
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _LISTED = 6  # names shown per kind of mismatch
 
@@ -71,14 +79,76 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILENAME).is_file()
 
 
-def model_state(module: nn.Module) -> dict[str, Any]:
-    """This rank's parameters and buffers under their module names (DTensor shards, not gathered)."""
-    return get_model_state_dict(module)
+def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """This rank's parameters and buffers under their module names (DTensor shards, not gathered); a tied
+    parameter's other names (``aliases``) are left out: its owner stores it under the canonical name."""
+    state = get_model_state_dict(module)
+    return {k: v for k, v in state.items() if k not in aliases} if aliases else state
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, keyed by parameter name, so pipeline ranks never collide."""
-    return get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+def optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter name, so pipeline ranks never collide (tied copies'
+    other names left out, as in :func:`model_state`)."""
+    state = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+    if not aliases:
+        return state
+    return {k: v for k, v in state.items() if _optimizer_key_fqn(k)[1] not in aliases}
+
+
+def _optimizer_key_fqn(key: str) -> tuple[str, str, str]:
+    """A flattened optimizer key ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<name>`` as its three parts."""
+    kind, _, rest = key.partition(".")
+    fqn, _, name = rest.rpartition(".")
+    return kind, fqn, name
+
+
+def _canonical_key(key: str, aliases: Mapping[str, str], *, optimizer: bool) -> str:
+    if not optimizer:
+        return aliases.get(key, key)
+    kind, fqn, name = _optimizer_key_fqn(key)
+    return f"{kind}.{aliases[fqn]}.{name}" if fqn in aliases else key
+
+
+def to_canonical(
+    state: Mapping[str, Any], aliases: Mapping[str, str], *, optimizer: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A load request under canonical names, and each original key's key in it.
+
+    Several local names of one tied parameter (a copy on each of two local stages, or the owner's and a copy)
+    become one entry, read once; :func:`from_canonical` hands the loaded value back to each of them.
+    """
+    request: dict[str, Any] = {}
+    keys = {}
+    for key, value in state.items():
+        canonical = _canonical_key(key, aliases, optimizer=optimizer)
+        keys[key] = canonical
+        request.setdefault(canonical, value)
+    return request, keys
+
+
+def from_canonical(request: Mapping[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    """The loaded ``request`` under the original keys; a value shared by several keys is cloned for each but
+    the first, so that no two parameters (or optimizer states) end up sharing a tensor."""
+    state: dict[str, Any] = {}
+    used: set[str] = set()
+    for key, canonical in keys.items():
+        value = request[canonical]
+        if canonical in used and isinstance(value, torch.Tensor):
+            value = value.clone()
+        used.add(canonical)
+        state[key] = value
+    return state
+
+
+def with_tied_names(state_dict: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """Add each tied parameter's other names, pointing to the canonical entry's tensor (stored once by
+    ``torch.save``): what a one-device tied model's ``load_state_dict(strict=True)`` expects."""
+    for alias, canonical in aliases.items():
+        if alias not in state_dict and canonical in state_dict:
+            state_dict[alias] = state_dict[canonical]
+    return state_dict
 
 
 # -- every rank raises together ---------------------------------------------------------------------
@@ -220,9 +290,14 @@ def resolve_path(path: Path) -> tuple[Path, str | None]:
 Shapes = dict[str, tuple[int, ...] | None]
 
 
-def local_shapes(module: nn.Module) -> Shapes:
-    """Global shapes of this rank's parameters and buffers (a DTensor's ``shape`` is the global one)."""
-    return {name: tuple(t.shape) if isinstance(t, torch.Tensor) else None for name, t in model_state(module).items()}
+def local_shapes(module: nn.Module, aliases: Mapping[str, str] | None = None) -> Shapes:
+    """Global shapes of this rank's parameters and buffers (a DTensor's ``shape`` is the global one), a tied
+    parameter's copies under its canonical name."""
+    aliases = aliases or {}
+    return {
+        aliases.get(name, name): tuple(t.shape) if isinstance(t, torch.Tensor) else None
+        for name, t in get_model_state_dict(module).items()
+    }
 
 
 def _listed(items: Sequence[str]) -> str:
@@ -313,9 +388,23 @@ def check_sharded(path: Path, expected: Shapes, *, strict: bool) -> None:
         raise CheckpointError(f"{where}: {'; '.join(problems)}.{_OTHER_MODEL}")
 
 
-def check_full(path: Path, state_dict: Mapping[str, Any], expected: Shapes, *, strict: bool) -> None:
-    """Refuse a single-file checkpoint saved from another model (names, shapes), on every rank alike."""
-    stored: Shapes = {name: tuple(t.shape) if isinstance(t, torch.Tensor) else None for name, t in state_dict.items()}
+def check_full(
+    path: Path,
+    state_dict: Mapping[str, Any],
+    expected: Shapes,
+    *,
+    strict: bool,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a single-file checkpoint saved from another model (names, shapes), on every rank alike.
+
+    A one-device tied model's file holds a tied parameter under each of its names; they count as the canonical
+    one."""
+    aliases = aliases or {}
+    stored: Shapes = {
+        aliases.get(name, name): tuple(t.shape) if isinstance(t, torch.Tensor) else None
+        for name, t in state_dict.items()
+    }
     if problems := _name_problems(stored, expected, strict=strict):
         raise CheckpointError(f"BFPPStrategy cannot load the checkpoint {path}: {'; '.join(problems)}.{_OTHER_MODEL}")
 
@@ -337,14 +426,17 @@ def load(
     strict: bool,
     weights_only: bool,
     full_parameter_names: Sequence[str],
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """Load a checkpoint into this rank's stages and optimizers; return the rest of it and a warning, if any.
 
     A collective. ``path`` is a DCP folder written by :func:`save` (or its ``.old``, see
     :func:`resolve_path`) or one ordinary file (e.g. from one device: each rank takes its slices). Every
     check runs on every rank with the same inputs and any failure is shared before the next step, so a bad
-    checkpoint stops every rank with the same message and none waits for the others.
+    checkpoint stops every rank with the same message and none waits for the others. ``aliases``: the tied
+    parameters' other names (see :mod:`lightning_bfpp.tied`), every copy being restored from the canonical entry.
     """
+    aliases = aliases or {}
     context = f"BFPPStrategy could not load the checkpoint {path}"
     error: BaseException | None = None
     warning = None
@@ -352,7 +444,7 @@ def load(
         path, warning = resolve_path(path)
     except CheckpointError as failure:
         error = failure
-    gathered = _all_gather((_as_shared(error, context), local_shapes(module)))
+    gathered = _all_gather((_as_shared(error, context), local_shapes(module, aliases)))
     _raise_shared([entry for entry, _ in gathered], error)
     expected: Shapes = {name: shape for _, shapes in gathered for name, shape in shapes.items()}
     loaded: dict[str, Any] = {}
@@ -361,16 +453,16 @@ def load(
             check_sharded(path, expected, strict=strict)
         else:
             loaded = _load_file(path, weights_only=weights_only)
-            check_full(path, loaded["state_dict"], expected, strict=strict)
+            check_full(path, loaded["state_dict"], expected, strict=strict, aliases=aliases)
     except Exception as failure:  # shared with every rank below
         error = failure
     raise_on_every_rank(error, context)
     if path.is_dir():
-        return _load_sharded(path, module, optimizers, strict=strict), warning
+        return _load_sharded(path, module, optimizers, strict=strict, aliases=aliases), warning
     try:
-        load_full_weights(module, loaded["state_dict"], strict=strict)
+        load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
         for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
-            load_full_optimizer(module, optimizer, saved, full_parameter_names)
+            load_full_optimizer(module, optimizer, saved, full_parameter_names, aliases=aliases)
     except Exception as failure:  # shared with every rank below
         error = failure
     raise_on_every_rank(error, context)
@@ -394,27 +486,39 @@ def _load_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
 
 
 def _load_sharded(
-    path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, strict: bool
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    aliases: Mapping[str, str],
 ) -> dict[str, Any]:
     stored = checkpoint_keys(path)
-    model = model_state(module)
+    model = get_model_state_dict(module)
     if not strict:  # names the checked checkpoint lacks stay as they are
         prefix = MODEL_KEY + "."
         keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
-        model = {name: value for name, value in model.items() if name in names}
-    state: dict[str, Any] = {MODEL_KEY: model}
+        model = {name: value for name, value in model.items() if aliases.get(name, name) in names}
+    # every copy of a tied parameter asks for the canonical entry (the only one stored)
+    request, model_keys = to_canonical(model, aliases)
+    state: dict[str, Any] = {MODEL_KEY: request}
+    optimizer_keys = []
     for i, optimizer in enumerate(optimizers):
         if optimizer_key(i) not in stored:
             raise CheckpointError(
                 f"Trying to restore optimizer state but {path} holds none (saved with `save_weights_only=True`?);"
                 " load it with `Trainer.validate/test`, or fit without `ckpt_path` after loading the weights."
             )
-        state[optimizer_key(i)] = optimizer_state(module, optimizer)
+        osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+        state[optimizer_key(i)], keys = to_canonical(osd, aliases, optimizer=True)
+        optimizer_keys.append(keys)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state[MODEL_KEY], options=StateDictOptions(strict=strict))
+    model = from_canonical(state[MODEL_KEY], model_keys)
+    set_model_state_dict(module, model, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[optimizer_key(i)], options=_OPTIMIZER_OPTIONS)
+        osd = from_canonical(state[optimizer_key(i)], optimizer_keys[i])
+        set_optimizer_state_dict(module, optimizer, osd, options=_OPTIMIZER_OPTIONS)
     return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
 
 
@@ -480,12 +584,21 @@ def replica_loader_states(
     )
 
 
-def load_full_weights(module: nn.Module, full_state: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_weights(
+    module: nn.Module,
+    full_state: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
     """Copy full (single-device) tensors into this rank's parameters and buffers, slicing shards locally.
 
-    Names of other ranks' layers are ignored; with ``strict``, every local name must be present.
+    Names of other ranks' layers are ignored; with ``strict``, every local name must be present. A tied
+    parameter's copy missing under its own name is read from its canonical name.
     """
+    aliases = aliases or {}
     own = module.state_dict()
+    full_state = {**{a: full_state[c] for a, c in aliases.items() if c in full_state}, **full_state}
     missing = [name for name in own if name not in full_state]
     if strict and missing:
         listed = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
@@ -508,13 +621,17 @@ def load_full_optimizer(
     optimizer: torch.optim.Optimizer,
     saved: Mapping[str, Any],
     full_parameter_names: Sequence[str],
+    *,
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Load a single-device optimizer state (``optimizer.state_dict()`` of the whole model) into this rank.
 
     torch keys such a state by parameter position; positions map to names through the whole model's
     parameter order, which is unambiguous for an optimizer with one parameter group over
-    ``self.parameters()`` (the common case). Several groups are refused rather than guessed.
+    ``self.parameters()`` (the common case). Several groups are refused rather than guessed. A tied
+    parameter's copies all take the state stored for it, under its canonical name.
     """
+    aliases = aliases or {}
     groups = saved["param_groups"]
     if len(groups) != 1 or len(optimizer.param_groups) != 1:
         raise RuntimeError(
@@ -530,11 +647,18 @@ def load_full_optimizer(
             f" {len(full_parameter_names)}; it was saved for a different model."
         )
     by_name = {name: saved["state"].get(pos) for name, pos in zip(full_parameter_names, positions, strict=True)}
+    by_name.update({alias: by_name.get(canonical) for alias, canonical in aliases.items()})
     local_names = {id(p): n for n, p in module.named_parameters()}
     names = [local_names[id(p)] for p in optimizer.param_groups[0]["params"]]
     hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    # two local copies of a tied parameter must not share state tensors (each is updated in place)
+    states = {n: _cloned(by_name[n]) if n in aliases else by_name[n] for n in names if by_name.get(n) is not None}
     osd = {
-        "state": {n: by_name[n] for n in names if by_name.get(n) is not None},
+        "state": states,
         "param_groups": [{**hyper, "params": names}],
     }
     set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def _cloned(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -16,12 +16,12 @@ from typing import Literal
 Auto = Literal["auto"]
 ScheduleName = Literal["breadth_first"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard"]
-PartitionSpec = Literal["parameters", "uniform"] | Sequence[int]
+PartitionSpec = Literal["parameters", "uniform", "time"] | Sequence[int]
 
 SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b")
 NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
-PARTITIONS: tuple[str, ...] = ("parameters", "uniform")
+PARTITIONS: tuple[str, ...] = ("parameters", "uniform", "time")
 # outer to inner mesh dimension: "data_pipeline" keeps a pipeline's ranks consecutive (inside a node),
 # "pipeline_data" keeps a data-parallel group's ranks consecutive
 MESH_ORDERS: tuple[str, ...] = ("data_pipeline", "pipeline_data")
@@ -180,8 +180,11 @@ class PipelineConfig:
             )
         return MeshShape(pipeline_parallel_size=p, data_parallel_size=dp, mesh_order=self.mesh_order)
 
-    def resolve_layout(self, mesh: MeshShape, layer_weights: Sequence[int]) -> Layout:
-        """Fix stages, micro-batches and the layer partition for a model with these layer weights."""
+    def resolve_layout(
+        self, mesh: MeshShape, layer_weights: Sequence[int], layer_times: Sequence[float] | None = None
+    ) -> Layout:
+        """Fix stages, micro-batches and the layer partition for a model with these layer weights (parameter
+        counts) and, for ``partition="time"``, these forward + backward times per layer (seconds)."""
         from lightning_bfpp.partition import balance_by_weight, uniform_counts
 
         p = mesh.pipeline_parallel_size
@@ -208,6 +211,11 @@ class PipelineConfig:
             counts = tuple(self.partition)
         elif self.partition == "uniform":
             counts = uniform_counts(num_layers, num_stages)
+        elif self.partition == "time":
+            if layer_times is None or len(layer_times) != num_layers:
+                raise ValueError("partition='time' needs one measured time per layer")
+            # microseconds: the partitioner's +1 per layer (spreading free layers) is then negligible
+            counts = balance_by_weight([max(round(t * 1e6), 0) for t in layer_times], num_stages)
         else:
             counts = balance_by_weight(layer_weights, num_stages)
         if self.schedule in NON_LOOPED and v != 1:

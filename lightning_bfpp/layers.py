@@ -202,22 +202,16 @@ def pipeline_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _check_parameters(module: nn.Module, named: Sequence[tuple[str, nn.Module]]) -> None:
-    owner: dict[int, str] = {}
-    for name, layer in named:
-        for pname, param in layer.named_parameters(remove_duplicate=False):
-            if id(param) in owner and owner[id(param)] != name:
-                raise ValueError(
-                    f"BFPPStrategy: the parameter `{name}.{pname}` is shared with layer `{owner[id(param)]}`"
-                    " (tied weights). Stages on different ranks cannot share a parameter; untie it (e.g. give"
-                    " the output head its own weight) or keep both users in one layer."
-                )
-            owner[id(param)] = name
-    stray = [n for n, p in module.named_parameters() if id(p) not in owner]
+    """Refuse parameters outside the pipeline layers. A parameter several layers share (tied weights) is
+    allowed: :mod:`lightning_bfpp.tied` keeps one copy per stage and keeps the copies equal."""
+    inside = {id(param) for _, layer in named for param in layer.parameters()}
+    stray = [n for n, p in module.named_parameters() if id(p) not in inside]
     if stray:
         listed = ", ".join(f"`{n}`" for n in stray[:5]) + (" …" if len(stray) > 5 else "")
         raise ValueError(
             f"BFPPStrategy: parameters {listed} belong to no pipeline layer. Every parameter must live in a"
-            " module that `pipeline_layers()` returns (move it into one of those layers)."
+            " module that `pipeline_layers()` returns (move it into one of those layers); a parameter shared"
+            " between pipeline layers (tied weights) is fine, one shared with a module outside them is not."
         )
 
 
@@ -231,21 +225,58 @@ def check_no_aliases(module: nn.Module, named: Sequence[tuple[str, nn.Module]]) 
     layer would raise, and the owner would wait for them in its next collective. Buffers may be shared (a
     rotary-embedding table used by every block is common, and a rank keeping a copy is harmless).
     """
-    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (its layer, its name inside the module)
+    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (its first layer, its name inside the module)
+    users: dict[int, list[str]] = {}  # parameter id -> every pipeline layer using it (tied weights)
     for layer_name, layer in named:
         for name, param in layer.named_parameters(remove_duplicate=False):
             owner.setdefault(id(param), (layer_name, f"{layer_name}.{name}"))
+            users.setdefault(id(param), []).append(layer_name)
     for name, param in module.named_parameters(remove_duplicate=False):
         layer_name, canonical = owner.get(id(param), (None, name))
-        if layer_name is None or name == canonical or name.startswith(layer_name + "."):
+        if layer_name is None or name == canonical:
             continue
+        if any(name.startswith(user + ".") for user in users[id(param)]):
+            continue  # the name of another layer using it: a tie between layers, not an alias of a layer
         alias, original = _differing_prefixes(name, canonical)
+        inside = _layer_submodule_name(module, alias, named)
+        if inside is not None:  # e.g. `self.last = self.head`, where `head.weight` is tied to `embed.weight`
+            layer_name, original = inside
+        elif _distinct_modules(module, alias, original):
+            raise ValueError(
+                f"BFPPStrategy: `{name}` is the parameter `{canonical}` of pipeline layer `{layer_name}`, shared"
+                " with a module outside the pipeline layers. Each pipeline rank keeps only its own layers, so that"
+                " module would hold another rank's parameter: move it into a pipeline layer (a parameter tied"
+                " between pipeline layers is supported), or give it its own parameter."
+            )
         raise ValueError(
             f"BFPPStrategy: `{alias}` is another name for `{original}` of pipeline layer `{layer_name}` (an"
             " alias such as `self.head = self.blocks[-1]`). Each pipeline rank keeps only its own layers, so a"
             " layer's parameters must be reachable under one name only: remove the attribute (or make it a"
             " property that returns the layer)."
         )
+
+
+def _layer_submodule_name(
+    module: nn.Module, name: str, named: Sequence[tuple[str, nn.Module]]
+) -> tuple[str, str] | None:
+    """The pipeline layer and own name of the submodule called ``name`` (an alias of it), if it is one."""
+    try:
+        target = module.get_submodule(name)
+    except AttributeError:
+        return None
+    for layer_name, layer in named:
+        for sub_name, sub in layer.named_modules():
+            if sub is target:
+                return layer_name, f"{layer_name}.{sub_name}" if sub_name else layer_name
+    return None
+
+
+def _distinct_modules(module: nn.Module, a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name two different submodules (then they share a parameter, not one module)."""
+    try:
+        return module.get_submodule(a) is not module.get_submodule(b)
+    except AttributeError:
+        return False
 
 
 def _differing_prefixes(alias: str, canonical: str) -> tuple[str, str]:
@@ -273,7 +304,8 @@ def keep_local_layers(
 
     Returns the local layers by name. Raises if a replaced layer's parameters are still reachable from the
     module, since the rank would then keep them: a backstop, as :func:`check_no_aliases` refuses such aliases
-    on every rank in :func:`pipeline_layers`, before this runs.
+    on every rank in :func:`pipeline_layers`, before this runs. A parameter a local layer shares with a remote
+    one (tied weights, see :mod:`lightning_bfpp.tied`) is the local layer's own.
     """
     local: dict[str, nn.Module] = {}
     remote_params: set[int] = set()
@@ -287,6 +319,7 @@ def keep_local_layers(
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             setattr(parent, child, RemoteLayer(name, rank))
+    remote_params -= {id(p) for layer in local.values() for p in layer.parameters()}
     leaked = [n for n, p in module.named_parameters() if id(p) in remote_params]
     if leaked:
         raise ValueError(

@@ -35,6 +35,7 @@ from lightning_bfpp.reductions import GradientReductions
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.tied import TiedParameters
 from lightning_bfpp.trace import StepTracer
 from lightning_bfpp.user_step import (
     LogRecorder,
@@ -95,6 +96,7 @@ class Pipeline:
         base_seed: int = 0,
         reductions: GradientReductions | None = None,
         agreement_timeout: float | None = None,
+        tied: TiedParameters | None = None,
     ) -> None:
         self.module = module
         self.plan = stage_plan
@@ -117,6 +119,8 @@ class Pipeline:
         self.base_seed = base_seed
         # each stage's gradient reduction overlapping the rest of the backward; None: torch's, blocking
         self.reductions = reductions
+        # copies of parameters tied across stages, whose gradients are summed after a reducing backward
+        self.tied = tied
         # how long the check before a new schedule waits for every rank (None: the process group's timeout)
         self.agreement_timeout = agreement_timeout
         # the module's torchmetrics: restored after input capture, and refused to sync inside a step
@@ -273,6 +277,10 @@ class Pipeline:
                 self.reductions.finish()
                 if tracer is not None:  # what of the overlapped reductions was still left to wait for
                     tracer.add("reduce", start, tracer.now())
+        if train and reduce_grads and self.tied:
+            # the tied copies' gradients are complete (reduced over replicas) only now: sum them over the tie,
+            # once per optimizer step (an accumulation window's last batch), before clipping and the step
+            self.tied.sum_gradients()
         return result
 
     def _prefetch_first_stage(self) -> None:

@@ -4,8 +4,9 @@ Builds on Lightning's ``ModelParallelStrategy`` (launcher, process group, collec
 precision checks, ``is_distributed``) and replaces what assumes a whole model per rank:
 
 - ``setup_environment``: a (data × pipeline) mesh instead of (data × tensor);
-- ``setup``: partition the module's ``pipeline_layers()``, keep and shard this rank's stages, then create
-  the optimizers over the local, sharded parameters;
+- ``setup``: partition the module's ``pipeline_layers()``, keep and shard this rank's stages, make the copies
+  of parameters tied across stages equal (:mod:`lightning_bfpp.tied`), then create the optimizers over the
+  local, sharded parameters;
 - ``training_step`` / ``validation_step`` / ``test_step``: run the step through the pipeline
   (:class:`lightning_bfpp.pipeline.Pipeline`), then replay what it logged on every rank
   (:mod:`lightning_bfpp.logged_values`). Forward and backward both happen inside ``training_step``, so
@@ -65,6 +66,7 @@ from lightning_bfpp.sharding import (
     second_data_parallel_group,
     shard_stage,
 )
+from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
 from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
 
@@ -101,8 +103,11 @@ class BFPPStrategy(ModelParallelStrategy):
             1; 0 gathers each stage when its turn comes). Under ``"full_shard"`` at most ``prefetch_stages + 1``
             stages' full weights are held at once: raise it when a stage's compute is shorter than its gather.
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
-        partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), or
-            the number of layers of each stage, e.g. ``[2, 3, 3, 2]``.
+        partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts),
+            ``"time"`` (balance forward + backward time per layer, measured on global rank 0 with one training
+            batch, or taken from ``plan_profile``), or the number of layers of each stage, e.g. ``[2, 3, 3,
+            2]``. Default: the module's ``pipeline_partition`` attribute if it has one (the Hugging Face
+            adapter's modules say ``"time"``), else ``"parameters"``.
         activation_checkpointing: recompute layers' activations in backward instead of storing them:
             ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
         overlap_reductions: run each stage's gradient reduction while the rank's remaining backward computes,
@@ -136,7 +141,7 @@ class BFPPStrategy(ModelParallelStrategy):
         schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b"] = "breadth_first",
         sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
-        partition: PartitionSpec = "parameters",
+        partition: PartitionSpec | None = None,
         microbatch_group_size: int | None = None,
         mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
         prefetch_stages: int = 1,
@@ -158,12 +163,15 @@ class BFPPStrategy(ModelParallelStrategy):
             schedule=schedule,
             sharding=sharding,
             data_parallel_size=data_parallel_size,
-            partition=partition,
+            partition="parameters" if partition is None else partition,
             microbatch_group_size=microbatch_group_size,
             mesh_order=mesh_order,
             prefetch_stages=prefetch_stages,
         )
         self._recompute = recompute_policy(activation_checkpointing)
+        # None: the module's own `pipeline_partition` if it has one (the Hugging Face adapter's is "time")
+        self._partition_given = partition is not None
+        self._layer_times: list[float] | None = None  # partition="time": measured at setup
         if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
             raise ValueError(
                 "BFPPStrategy: `overlap_reductions` must be a bool, 'auto', 'stream' or 'thread', got"
@@ -195,6 +203,8 @@ class BFPPStrategy(ModelParallelStrategy):
         # whether this process received SIGTERM (shared with the others by the step's collective)
         self._sigterm_noted: Callable[[], bool] = lambda: False
         self._full_parameter_names: list[str] = []
+        # copies of parameters tied across stages (see lightning_bfpp.tied)
+        self.tied = TiedParameters([], {})
 
     # -- precision ---------------------------------------------------------------------------------
 
@@ -272,6 +282,33 @@ class BFPPStrategy(ModelParallelStrategy):
         self.mesh_shape = self.config.resolve_mesh(self.world_size, per_node)
         self._build_device_mesh()
 
+    def _resolve_partition(self, trainer: pl.Trainer) -> None:
+        """The module's preferred partition when none was given; for ``"time"``, each layer's measured time."""
+        module = self.lightning_module
+        assert module is not None
+        preferred = getattr(module, "pipeline_partition", None)
+        if not self._partition_given and preferred is not None:
+            meta = any(p.is_meta for p in module.parameters())
+            if preferred == "time" and meta and self._plan_profile is None:
+                rank_zero_info(
+                    f"BFPPStrategy: `{type(module).__name__}` asks for partition='time', but it was created on the"
+                    " meta device and cannot be measured; partitioning by parameters (pass `plan_profile=` to"
+                    " balance by time)."
+                )
+            else:
+                self.config = dataclasses.replace(self.config, partition=preferred)
+        if self.config.partition == "time":
+            profile = self._plan_profile
+            if profile is not None and not isinstance(profile, ModelProfile):
+                profile = ModelProfile.from_json(Path(profile))
+            if profile is None and trainer.state.fn != TrainerFn.FITTING:
+                # measuring needs a training batch; outside fit (validate, test, predict) the stages only need
+                # to be consistent, not balanced: checkpoints load into any partition
+                rank_zero_info("BFPPStrategy: partition='time' outside `fit` balances parameters instead.")
+                self.config = dataclasses.replace(self.config, partition="parameters")
+                return
+            self._layer_times = auto.layer_times(module, trainer, profile, self.root_device, self.is_global_zero)
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -314,12 +351,16 @@ class BFPPStrategy(ModelParallelStrategy):
         if self.pipeline is None:
             if self.mesh_shape is None:
                 self._plan_layout(trainer)
+            self._resolve_partition(trainer)
             base_seed = self._base_seed()
             reduce_group = self._reduction_group()
             # building checks the module on every rank; some checks (layer placement) differ between ranks
             self.pipeline = agree(
                 lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline"
             )
+            # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
+            self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
+            self.tied.broadcast_from_owner()
         elif self.pipeline.module is not module:
             raise RuntimeError(
                 "BFPPStrategy was already set up with another LightningModule; create a new strategy (and"
@@ -331,6 +372,7 @@ class BFPPStrategy(ModelParallelStrategy):
         lc.replace_clip_grad_by_norm(plugin, partial(self._clip_grad_by_norm, plugin))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.tied.check_optimizers([lc.unwrap_optimizer(o) for o in self.optimizers])
             if self.trace_dir is not None:
                 self._trace = TraceSession(
                     self.trace_dir,
@@ -376,16 +418,23 @@ class BFPPStrategy(ModelParallelStrategy):
         """Split, place, shard: no collectives in here (see ``setup``: errors are agreed on afterwards)."""
         assert self.mesh_shape is not None
         named = pipeline_layers(module)
+        ties = find_ties(module, named)
         _check_metrics(module)
         # the whole model's parameter order, to read single-device optimizer states (see checkpoint.py)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
         weights = layer_weights(named)
-        self.layout = layout = self.config.resolve_layout(self.mesh_shape, weights)
+        self.layout = layout = self.config.resolve_layout(self.mesh_shape, weights, self._layer_times)
         self.stage_plan = plan = StagePlan(
             tuple(name for name, _ in named), layout.stage_layer_counts, layout.pipeline_parallel_size
         )
-        owner = [plan.rank_of(s) for s in range(plan.num_stages) for _ in plan.layer_range(s)]
+        layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
+        owner = [plan.rank_of(s) for s in layer_stage]
+        check_shared_modules(named, layer_stage)
+        # which local slots share a tensor, before materializing breaks that (see lightning_bfpp.tied.retie)
+        identities = record_identities(named, [i for i, rank in enumerate(owner) if rank == self.pipeline_rank])
         local = keep_local_layers(module, named, owner, self.pipeline_rank, self.root_device)
+        stage_rank = [plan.rank_of(s) for s in range(plan.num_stages)]
+        self.tied = retie(identities, ties, layer_stage, stage_rank)
         materialize_remaining(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -434,6 +483,7 @@ class BFPPStrategy(ModelParallelStrategy):
             reductions=reductions,
             # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
+            tied=self.tied,
         )
 
     # -- training ----------------------------------------------------------------------------------
@@ -537,7 +587,9 @@ class BFPPStrategy(ModelParallelStrategy):
         return loss
 
     def _clip_grad_by_norm(self, plugin: Precision, optimizer: Optimizer, clip_val: float) -> None:
-        clipping.clip_grad_norm(plugin.main_params(optimizer), clip_val, 2.0, self._pipeline_group())
+        clipping.clip_grad_norm(
+            plugin.main_params(optimizer), clip_val, 2.0, self._pipeline_group(), exclude=self.tied.excluded_from_norm
+        )
 
     def gradient_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradients, over every stage and shard, the same on every rank.
@@ -546,7 +598,9 @@ class BFPPStrategy(ModelParallelStrategy):
         Lightning's ``grad_norm`` utility sees only the shards this rank holds.
         """
         assert self.lightning_module is not None
-        return clipping.total_norm(self.lightning_module.parameters(), norm_type, self._pipeline_group())
+        return clipping.total_norm(
+            self.lightning_module.parameters(), norm_type, self._pipeline_group(), exclude=self.tied.excluded_from_norm
+        )
 
     def _pipeline_group(self) -> Any:
         assert self.layout is not None
@@ -695,13 +749,13 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return checkpoint_io.model_state(self.lightning_module)
+        return checkpoint_io.model_state(self.lightning_module, self.tied.aliases)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
         optimizer = lc.unwrap_optimizer(optimizer)
-        return checkpoint_io.optimizer_state(self.lightning_module, optimizer)
+        return checkpoint_io.optimizer_state(self.lightning_module, optimizer, self.tied.aliases)
 
     @override
     def save_checkpoint(
@@ -728,6 +782,8 @@ class BFPPStrategy(ModelParallelStrategy):
         )
         if loader_states is not None:
             checkpoint[checkpoint_io.LOADER_STATES_KEY] = loader_states
+        if self.tied.aliases:  # stored once, under the canonical name: what `consolidate` adds back
+            checkpoint[checkpoint_io.TIED_KEY] = dict(self.tied.aliases)
         checkpoint_io.save(path, state, checkpoint, is_global_zero=self.is_global_zero)
 
     @override
@@ -743,7 +799,9 @@ class BFPPStrategy(ModelParallelStrategy):
             strict=module.strict_loading,
             weights_only=bool(weights_only),
             full_parameter_names=self._full_parameter_names,
+            aliases=self.tied.aliases,
         )
+        loaded.pop(checkpoint_io.TIED_KEY, None)
         if warning is not None:
             rank_zero_warn(warning)
         # each replica resumes its own place in the data (see checkpoint_io.replica_loader_states)

@@ -164,5 +164,5 @@ def hf_reference_run(run: RunSpec) -> Reference:
     recorder = StepRecorder()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **trainer_defaults(run))
     trainer.fit(model, loader)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     return Reference(recorder.steps, params, recorder.validations, {"out": Path(tempfile.gettempdir())})

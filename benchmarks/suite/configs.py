@@ -57,6 +57,8 @@ def jobs(full: bool) -> list[Job]:
         Job("b/bfpp", kind="bfpp", label="bfpp (Lightning)", reference=True, **b),
         Job("b/bfpp_overlap", kind="bfpp", label="bfpp (Lightning), reductions on a communication thread",
             overlap_reductions="thread", **b),
+        Job("b/bfpp_prefetch2", kind="bfpp", label="bfpp (Lightning), two stages gathered ahead", prefetch_stages=2,
+            **b),
         Job("b/bfpp_nodp", kind="bfpp", label="bfpp (Lightning), no data parallelism", **dict(b, processes=2, dp=1)),
         Job("b/bfpp_hand", kind="bfpp_hand", label="bfpp schedule by hand", **b),
         Job("b/LoopedBFS", kind="torch", label="torch LoopedBFS + FSDP2", schedule="LoopedBFS", **b),

@@ -80,6 +80,8 @@ class Job:
     reshard_after_forward: bool = False
     # bfpp kinds: BFPPStrategy(overlap_reductions=...): "auto" (on CPU: torch's blocking reductions) or "thread"
     overlap_reductions: bool | str = "auto"
+    # bfpp kinds: BFPPStrategy(prefetch_stages=...), upcoming stages whose weight gathers are in flight
+    prefetch_stages: int = 1
     model: Literal["emulated", "gpt"] = "emulated"
     emulated: Emulated = field(default_factory=Emulated)
     gpt: GPTSpec = field(default_factory=GPTSpec)

@@ -91,7 +91,7 @@ def _bfpp_lightning(job: Job, rank: int) -> dict[str, Any]:
     clock = StepClock(job.warmup)
     strategy = BFPPStrategy(
         pipeline_parallel_size=job.p, stages_per_rank=job.v, num_microbatches=job.m, schedule=job.schedule,
-        sharding=job.sharding, overlap_reductions=job.overlap_reductions,
+        sharding=job.sharding, overlap_reductions=job.overlap_reductions, prefetch_stages=job.prefetch_stages,
     )  # fmt: skip
     trainer = _trainer(job, strategy, clock)
     trainer.fit(lightning_module(job), train_loader(job, job.m * job.microbatch_size, job.dp))

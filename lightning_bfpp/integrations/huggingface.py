@@ -385,7 +385,9 @@ def _load(source: Any, auto_class: Any, attn_implementation: str | None) -> PreT
                 " afresh. Create the module outside `init_module(empty_init=True)` (each rank still keeps only its"
                 " own stages' weights after setup), or pass the config there to train from scratch."
             )
-        return auto_class.from_pretrained(source, **kwargs)
+        # `from_pretrained` returns the model in eval mode, and Lightning keeps each submodule's mode: fine-tune
+        # with the dropout the config asks for
+        return auto_class.from_pretrained(source, **kwargs).train()
     raise TypeError(
         "Pass a `transformers` model, its config (object or `config.to_dict()`), or a name or folder for"
         f" `from_pretrained`; got {type(source).__name__}."
@@ -412,6 +414,9 @@ class _HFPipelineModule(L.LightningModule):
     embed: nn.Module
     blocks: nn.ModuleList
     head: nn.Module
+    # BFPPStrategy balances stages by measured time unless told otherwise: a large vocabulary makes the
+    # embedding heavy in parameters but cheap in compute, and the LM head the other way round
+    pipeline_partition = "time"
 
     def _adopt(self, model: PreTrainedModel, layers: list[nn.Module], head: nn.Module) -> None:
         hf_modules = {id(m) for m in model.modules()}
@@ -530,6 +535,13 @@ class HFCausalLM(_HFPipelineModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch))
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The logits of a batch (``input_ids`` with an optional ``attention_mask``)."""
+        fields = _batch_fields(batch, ("input_ids", "attention_mask"))
+        input_ids = fields["input_ids"]
+        attention_mask = fields.get("attention_mask")
+        return self(input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+
 
 class HFSequenceRegressor(_HFPipelineModule):
     """A BERT-family encoder with a pooling and a linear head, for sentence- or word-level tasks.
@@ -616,6 +628,17 @@ class HFSequenceRegressor(_HFPipelineModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The head's output for a batch: one value per sample for regression (per token with ``pooling="none"``),
+        class scores otherwise."""
+        fields = _batch_fields(batch, ("input_ids", "attention_mask"))
+        input_ids = fields["input_ids"]
+        attention_mask = fields.get("attention_mask")
+        token_type_ids = fields.get("token_type_ids")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        out = self(input_ids, mask) if token_type_ids is None else self(input_ids, mask, token_type_ids)
+        return out.squeeze(-1) if self.num_labels is None else out
 
 
 # -- export -----------------------------------------------------------------------------------------------

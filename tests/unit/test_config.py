@@ -46,3 +46,12 @@ def test_layout_resolution():
         PipelineConfig(stages_per_rank=2).resolve_layout(mesh, [1, 2, 3])
     with pytest.raises(ValueError, match="must add up to 6"):
         PipelineConfig(partition=[1, 1, 1, 1]).resolve_layout(mesh, [10] * 6)
+
+
+def test_time_partition_balances_the_given_times():
+    mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
+    config = PipelineConfig(partition="time", stages_per_rank=1)
+    # equal parameters, one slow layer at the end: time puts it alone
+    assert config.resolve_layout(mesh, [10] * 4, [0.001, 0.001, 0.001, 0.003]).stage_layer_counts == (3, 1)
+    with pytest.raises(ValueError, match="one measured time per layer"):
+        config.resolve_layout(mesh, [10] * 4)

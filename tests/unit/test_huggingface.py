@@ -20,6 +20,7 @@ from lightning_bfpp.integrations.huggingface import (
     export_pretrained,
 )
 from lightning_bfpp.layers import keep_local_layers, materialize_remaining, pipeline_layers
+from lightning_bfpp.tied import find_ties
 from tests.hf_models import CAUSAL_FAMILIES, ENCODER_FAMILIES, VOCAB, tiny_config
 
 TOL = 1e-5
@@ -182,17 +183,15 @@ def test_unsupported_models_are_refused_with_what_is_supported():
 
 
 def test_tied_embeddings_stay_one_parameter():
-    """GPT-2's default: the head's weight is the embedding's Parameter, in two layers. The core either refuses
-    that with its tied-weights message or accepts it (once it supports ties across stages)."""
+    """GPT-2's default: the head's weight is the embedding's Parameter, in two layers. The core accepts the tie
+    and keeps the embedding's name as the canonical one (see lightning_bfpp.tied)."""
     torch.manual_seed(0)
     module = HFCausalLM(tiny_config("gpt2", tie=True))
     assert module.head.lm_head.weight is module.embed.embed_tokens.weight
-    try:
-        named = pipeline_layers(module)
-    except ValueError as error:
-        assert "tied weights" in str(error)
-    else:
-        assert named[0][0] == "embed"
+    named = pipeline_layers(module)
+    assert named[0][0] == "embed"
+    (group,) = find_ties(module, named)
+    assert group.canonical == "embed.embed_tokens.weight" and group.aliases == ("head.lm_head.weight",)
 
 
 def perturbed(module) -> None:
@@ -255,3 +254,21 @@ def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
     with torch.no_grad():
         assert_close(loaded(ids, mask), module.eval()(ids, mask))
     assert loaded.hparams.lr == 3e-3
+
+
+def test_predict_step_returns_the_heads_output_and_pretrained_models_train(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    from lightning_bfpp.integrations.huggingface import HFSequenceRegressor
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16)  # fmt: skip
+    BertModel(config).save_pretrained(tmp_path / "bert")
+    module = HFSequenceRegressor(str(tmp_path / "bert"))
+    assert all(m.training for m in module.modules())  # dropout on, as the config asks, though loaded in eval mode
+    module.eval()
+    ids = torch.randint(0, 50, (3, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        assert torch.equal(module.predict_step(batch, 0), module(ids, torch.ones_like(ids)).squeeze(-1))

@@ -29,6 +29,7 @@ ENGINE = [
     "lightning_bfpp.layers",
     "lightning_bfpp.trace",
     "lightning_bfpp.clipping",
+    "lightning_bfpp.tied",
 ]
 
 _SCRIPT = """

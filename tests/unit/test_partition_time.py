@@ -1,0 +1,105 @@
+"""``partition="time"`` on a GPT-2-shaped model: parameters and compute part ways, time balancing follows compute.
+
+GPT-2 small's 50k-token embedding holds as many parameters as five blocks and computes almost nothing; its LM
+head's matmul costs about five blocks. This model has the same shape at a size that runs here in
+seconds (hidden 128, 24 blocks, a 12,000-token vocabulary: the embedding and the head hold about 8 blocks of
+parameters each, and on this CPU the head's matmul costs about 4 blocks), cut into two stages: balanced by
+parameters, one stage gets the embedding and the other the head, equal in parameters and not in time. Each
+stage's forward + backward is timed as a whole, separately from the per-layer profile the partition was
+computed from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_bfpp.config import MeshShape, PipelineConfig
+from lightning_bfpp.layers import layer_weights, pipeline_layers
+from lightning_bfpp.plan.profile import profile_module
+from lightning_bfpp.user_step import capture_model_input
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_bfpp.integrations.huggingface import HFCausalLM  # noqa: E402
+
+BATCH, SEQ, VOCAB = 8, 64, 12_000
+
+
+def _gpt2_shaped() -> HFCausalLM:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=128,
+        n_layer=24,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return HFCausalLM(config)
+
+
+def _leaf(x: object) -> object:
+    if isinstance(x, tuple):
+        return tuple(_leaf(t) for t in x)
+    assert isinstance(x, torch.Tensor)
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def _stage_times(module: HFCausalLM, batch: dict[str, torch.Tensor], counts: tuple[int, ...]) -> list[float]:
+    """Forward + backward time of each stage's layers run in sequence: the fastest of 10 runs (what the
+    machine's other work disturbs least), stages measured alternately."""
+    layers = [layer for _, layer in pipeline_layers(module)]
+    args, kwargs = capture_model_input(module, module.training_step, "training_step", batch, 0)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    inputs: list[object] = []
+    with torch.no_grad():  # what each stage receives, as the previous one hands it on
+        x: object = None
+        for i, layer in enumerate(layers):
+            if i in starts:
+                inputs.append(x)
+            x = layer(*args, **kwargs) if i == 0 else layer(x)
+    times: list[list[float]] = [[] for _ in counts]
+    for repeat in range(11):
+        for s, start in enumerate(starts):
+            began = time.perf_counter()
+            out = layers[0](*args, **kwargs) if s == 0 else layers[start](_leaf(inputs[s]))
+            for layer in layers[start + 1 : start + counts[s]]:
+                out = layer(out)
+            outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            if repeat:  # the first round warms up
+                times[s].append(time.perf_counter() - began)
+    module.zero_grad(set_to_none=True)
+    return [min(t) for t in times]
+
+
+def test_time_partition_balances_compute_where_parameters_do_not():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module = _gpt2_shaped()
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        named = pipeline_layers(module)
+        weights = layer_weights(named)
+        assert weights[0] > 5 * weights[1]  # the embedding: more parameters than five blocks
+        profile = profile_module(module, batch, repeats=3)
+        times = [layer.forward_s + layer.backward_s for layer in profile.layers]
+        mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
+        by_time = PipelineConfig(partition="time", stages_per_rank=1).resolve_layout(mesh, weights, times)
+        by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_layout(mesh, weights)
+        assert by_time.stage_layer_counts != by_params.stage_layer_counts
+        spread = {}
+        for name, layout in (("time", by_time), ("parameters", by_params)):
+            stage = _stage_times(module, batch, layout.stage_layer_counts)
+            spread[name] = max(stage) / min(stage) - 1
+        assert spread["time"] < 0.15, spread
+        assert spread["parameters"] > 0.15, spread
+    finally:
+        torch.set_num_threads(threads)
