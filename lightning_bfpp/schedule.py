@@ -321,13 +321,13 @@ def add_sharding_actions(
     """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
 
     The unit is a *visit*: a maximal run of consecutive compute actions on one stage. A stage is unsharded
-    (its weights all-gathered) for a visit; with ``prefetch=k`` the stages of the next ``k`` visits (other than
-    the current one) are unsharded when the current visit starts, so their gathers overlap this visit's
-    compute (``0``: each stage is gathered when its visit starts). ``REDUCE_GRAD`` follows a stage's last
-    backward. When a stage is released depends on ``sharding``:
+    (its weights all-gathered) for a visit; with ``prefetch=k`` the stages of the next ``k`` visits are
+    unsharded when the current visit starts, so their gathers overlap this visit's compute (``0``: each stage
+    is gathered when its visit starts), and a stage needed again within those ``k`` visits is kept rather
+    than released. ``REDUCE_GRAD`` follows a stage's last backward. When a stage is released depends on ``sharding``:
 
-    - ``"full_shard"`` (ZeRO-3): after every visit, unless the next visit is to the same stage (as with the
-      last local stage, whose forward sweep is followed by its backward sweep).
+    - ``"full_shard"`` (ZeRO-3): after every visit, unless one of the next ``prefetch`` visits is to the same
+      stage (as with the last local stage, whose forward sweep is followed by its backward sweep).
     - ``"shard_grad_op"`` (ZeRO-2) and ``"no_shard"``: after the stage's gradients are reduced (or, without
       backward, after its last forward), so the weights are gathered once per step.
 
@@ -365,12 +365,7 @@ def add_sharding_actions(
         next_stage = visits[i + 1][0] if i + 1 < len(visits) else None
         if stage not in active:
             unshard(stage)
-        ahead: list[int] = []  # the next `prefetch` distinct stages after this one
-        for upcoming, _, _ in visits[i + 1 :]:
-            if len(ahead) == prefetch:
-                break
-            if upcoming != stage and upcoming not in ahead:
-                ahead.append(upcoming)
+        ahead = [upcoming for upcoming, _, _ in visits[i + 1 : i + 1 + prefetch]]  # the next `prefetch` visits'
         for upcoming in ahead:
             if upcoming not in active:
                 unshard(upcoming)
@@ -384,8 +379,8 @@ def add_sharding_actions(
                 finished = True
         elif not has_backward and last_forward_visit[stage] == i:
             finished = True
-        if next_stage == stage:
-            continue
+        if stage in ahead:
+            continue  # needed again within the look-ahead: keep it rather than gather it again
         if sharding == "full_shard" or finished:
             reshard(stage)
     for stage in list(active):

@@ -72,8 +72,8 @@ def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
     assert strings(lowered) == [
         "0UNSHARD", "2UNSHARD",  # stage 2's gather is issued before stage 0 computes: prefetch
         "0F0", "0F1", "0F2", "0F3", "0RESHARD",
-        "0UNSHARD",  # the next other stage is 0 (its backward sweep): its gather overlaps both of stage 2's sweeps
         "2F0", "2F1", "2F2", "2F3",  # last local stage: kept from its forward sweep to its backward sweep
+        "0UNSHARD",  # prefetch stage 0 for its backward sweep
         "2B0", "2B1", "2B2", "2B3", "2REDUCE_GRAD", "2RESHARD",
         "0B0", "0B1", "0B2", "0B3", "0REDUCE_GRAD", "0RESHARD",
     ]  # fmt: skip
@@ -83,8 +83,12 @@ def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
 def test_prefetch_bounds_the_stages_held_at_once(prefetch):
     for rank, actions in breadth_first(2, 4, 4).items():
         lowered = add_sharding_actions(actions, "full_shard", 4, prefetch=prefetch)
-        assert max_resident_stages(lowered) == min(prefetch + 1, 4)
-        assert count(lowered, UNSHARD) == 2 * 4 - 1  # gathers per step do not change
+        assert max_resident_stages(lowered) <= prefetch + 1
+        # 2v − 1 gathers per step (2v without look-ahead, where even the last local stage is released between
+        # its sweeps); a look-ahead that reaches a stage's next visit keeps it instead of gathering it again
+        assert count(lowered, UNSHARD) == {0: 8, 1: 7, 2: 7, 3: 6}[prefetch]
+        if prefetch in (1, 2):
+            assert max_resident_stages(lowered) == prefetch + 1
         if prefetch == 0:  # every gather is issued right before its own stage computes
             for action, after in itertools.pairwise(lowered):
                 if action.kind is UNSHARD:
