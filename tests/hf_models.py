@@ -3,7 +3,7 @@
 - :func:`tiny_config`: a few-layer random config of each supported family, built from the family's own config
   class, dropout off (so one device and the pipeline draw nothing).
 - :func:`hf_module` (``RunSpec.model_factory``): ``HFCausalLM`` or ``HFSequenceRegressor`` from
-  ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ...}``.
+  ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ..., "pretrained": folder}``.
 - :func:`hf_loader` (``RunSpec.loader_factory``) and :func:`hf_reference_run`: the same token data for the
   pipelined run and its one-device reference (``tests.models.reference_run`` builds the regression data of
   ``PipeNet``; this one builds token batches, with the same sampler).
@@ -101,7 +101,9 @@ def hf_module(run: RunSpec) -> L.LightningModule:
     family = spec["family"]
     sgd = spec.get("optimizer") == "sgd"
     torch.manual_seed(spec.get("seed", 0))
-    config = tiny_config(family, layers=spec.get("layers", 2), tie=spec.get("tie", False))
+    config: Any = tiny_config(family, layers=spec.get("layers", 2), tie=spec.get("tie", False))
+    if "pretrained" in spec:  # a `save_pretrained` folder, loaded with `from_pretrained`
+        config = spec["pretrained"]
     if family in CAUSAL_FAMILIES:
         return (SGDCausalLM if sgd else HFCausalLM)(config, lr=spec.get("lr", 0.05 if sgd else 1e-3))
     lr = spec.get("lr", 0.001)  # MSE on a random target: a larger step diverges

@@ -60,7 +60,7 @@ class ModelSpec:
     batch_format: str = "tuple"  # or "dict"
     optimizer: str = "adamw"  # or "sgd"
     log_extras: bool = True
-    tie_blocks: bool = False  # share a weight between the first and last block (not pipelinable)
+    tie_blocks: bool = False  # share a weight between the first and last block (tied across stages)
     param_groups: int = 1  # 2: weights and the rest (norms, biases) in separate groups, different lr and decay
     metrics: bool = False  # torchmetrics MeanAbsoluteError logged from the training, validation and test steps
     strided: bool = False  # a last layer that transposes, and a loss whose gradient is expanded (stride 0)

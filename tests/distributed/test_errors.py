@@ -18,10 +18,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
             "`pipeline_parallel_size=3` must divide the world size (2",
         ),
         (
-            RunSpec(name="tied", strategy={"pipeline_parallel_size": 2}, model={"tie_blocks": True}),
-            "(tied weights). Stages on different ranks cannot share a parameter",
-        ),
-        (
             RunSpec(
                 name="too_few_layers",
                 strategy={"pipeline_parallel_size": 2, "stages_per_rank": 4},

@@ -6,13 +6,17 @@ configs by ``tests.hf_models``, are trained with (p, dp, v, m) = (2, 2, 2, 4) on
 final parameter must agree within 1e-5 relative in fp32. Hidden states cross stages with the attention mask
 (padded batches) and position ids; rotary tables and masks are rebuilt on each stage. All runs share one
 launch. Each run's checkpoint exports to a `from_pretrained` folder with the trained weights. A Qwen2 created
-on the meta device trains from its own init; a GPT-2 with tied input and output embeddings (on the first and the
-last stage) trains equal to one device too, its two copies of the tied weight identical.
+on the meta device trains from its own init; GPT-2, Llama and Qwen2 with tied input and output embeddings (on
+the first and the last stage) train equal to one device too, their two copies of the tied weight identical;
+and a tied Llama loaded from a `save_pretrained` folder trains, exports and loads on one device with the
+one-device run's weights.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +27,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from lightning_bfpp.integrations.huggingface import export_pretrained
 from tests.distributed.harness import assert_steps_match, launch, run_2x2
-from tests.hf_models import VOCAB, hf_module, hf_reference_run
+from tests.hf_models import VOCAB, hf_module, hf_reference_run, tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -50,13 +54,20 @@ EQUIVALENCE = [hf_run(f"hf_{family}", family, checks=["save_at_end"]) for family
 # created under `trainer.init_module(empty_init=True)`: each rank materializes its own layers (rotary tables
 # included) with the model's init, so the weights are not the reference's; it must train like a fresh model
 META = hf_run("hf_qwen2_empty_init", "qwen2", checks=["empty_init"])
-TIED = hf_run("hf_gpt2_tied", "gpt2", model={"tie": True})
-RUNS = [*EQUIVALENCE, META, TIED]
+TIED = [hf_run(f"hf_{family}_tied", family, model={"tie": True}) for family in ("gpt2", "llama", "qwen2")]
+# a `save_pretrained` folder (a tied Llama) → pipelined training → export → `from_pretrained` on one device
+PRETRAINED = Path(tempfile.mkdtemp(prefix="bfpp-hf-pretrained-"))
+FROM_FOLDER = hf_run(
+    "hf_llama_from_folder", "llama", model={"tie": True, "pretrained": str(PRETRAINED)}, checks=["save_at_end"]
+)
+RUNS = [*EQUIVALENCE, META, *TIED, FROM_FOLDER]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("huggingface")
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(tiny_config("llama", layers=3, tie=True)).save_pretrained(PRETRAINED)
     return workdir, launch(RUNS, 4, workdir, timeout=480)
 
 
@@ -65,7 +76,7 @@ def results(launched):
     return launched[1]
 
 
-@pytest.mark.parametrize("run", [*EQUIVALENCE, TIED], ids=lambda r: r.name)
+@pytest.mark.parametrize("run", [*EQUIVALENCE, *TIED, FROM_FOLDER], ids=lambda r: r.name)
 def test_matches_single_device(run, results):
     ref = hf_reference_run(run)
     assert len(ref.steps) == 6
@@ -105,9 +116,25 @@ def test_meta_device_model_trains(results):
     assert all(math.isfinite(v) for v in losses[0]) and losses[0][-1] < losses[0][0]
 
 
-def test_tied_embeddings_stay_equal(results):
+def test_a_pretrained_folder_trains_and_exports_as_on_one_device(launched, tmp_path):
+    """`save_pretrained` folder → pipelined training → export → `from_pretrained` on one device: the loaded model
+    holds the one-device run's final weights (tied input and output embeddings included)."""
+    workdir, _ = launched
+    ref = hf_reference_run(FROM_FOLDER)
+    out = export_pretrained(workdir / "out" / FROM_FOLDER.name / "end.ckpt", tmp_path / "exported")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied
+    state = loaded.state_dict()
+    for hf_name, ours in hf_module(FROM_FOLDER).hf_names.items():
+        want = ref.params[ours].double()
+        error = (state[hf_name].double() - want).norm().item()
+        assert error <= TOL * want.norm().item() + ATOL, f"{hf_name}: {error:.2e}"
+
+
+@pytest.mark.parametrize("run", TIED, ids=lambda r: r.name)
+def test_tied_embeddings_stay_equal(run, results):
     """The head's copy of the tied embedding (another stage, another rank) ends equal to the embedding, bit for
     bit: the copies' gradients are summed over the tie, so the optimizer updates them alike."""
-    params = results[TIED.name].params
+    params = results[run.name].params
     embedding, head = params["embed.embed_tokens.weight"], params["head.lm_head.weight"]
     assert torch.equal(embedding, head)
