@@ -362,7 +362,6 @@ def add_sharding_actions(
         out.append(Action(stage, RESHARD))
 
     for i, (stage, kind, run) in enumerate(visits):
-        next_stage = visits[i + 1][0] if i + 1 < len(visits) else None
         if stage not in active:
             unshard(stage)
         ahead = [upcoming for upcoming, _, _ in visits[i + 1 : i + 1 + prefetch]]  # the next `prefetch` visits'
