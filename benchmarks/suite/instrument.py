@@ -20,6 +20,7 @@ first step, read from malloc at the same points.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 import torch.distributed.pipelining.schedules as pp_schedules
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -83,6 +85,10 @@ def install() -> None:
         original = getattr(dist, name, None)
         if original is not None:
             setattr(dist, name, _counted_collective(name, original))
+    # a collective is one of FSDP2's weight gathers or gradient reductions only when FSDP2 issues it (the
+    # strategy's own per-step all-gather uses the same function)
+    for hook in ("foreach_all_gather", "foreach_reduce"):
+        setattr(fsdp_param_group, hook, _inside_fsdp(getattr(fsdp_param_group, hook)))
     send_batch, wait_batch = pp_schedules._batch_p2p, pp_schedules._wait_batch_p2p
 
     def batch_p2p(p2p_ops: list[dist.P2POp], desc: str | None = None) -> Any:
@@ -111,11 +117,25 @@ def install() -> None:
     FSDPParamGroup.wait_for_unshard = timed_wait_for_unshard  # type: ignore[method-assign]
 
 
-def _counted_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    gather = name == "all_gather_single"  # FSDP2's weight gather (torch 2.13)
-    reduce_scatter = name == "reduce_scatter_single"  # FSDP2's gradient reduction
+_FSDP = threading.local()  # depth > 0 while FSDP2 issues its own collectives on this thread
 
+
+def _inside_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _FSDP.depth = getattr(_FSDP, "depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _FSDP.depth -= 1
+
+    return run
+
+
+def _counted_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
+        fsdp = getattr(_FSDP, "depth", 0) > 0
+        gather = fsdp and name in ("all_gather_single", "all_gather_into_tensor")  # FSDP2's weight gather
+        reduce_scatter = fsdp and name in ("reduce_scatter_single", "reduce_scatter_tensor")  # its reduction
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
