@@ -466,6 +466,29 @@ class _HFPipelineModule(L.LightningModule):
         full = self.full_state_dict()
         return {hf: full[ours] for hf, ours in self.hf_names.items()}
 
+    @staticmethod
+    def _model_args(fields: dict[str, Any], extra: str | None = None) -> tuple[torch.Tensor, ...]:
+        """What ``self(...)`` takes from a batch: ``input_ids``, the attention mask (all ones when missing) and,
+        if the batch has it, the ``extra`` field (e.g. ``token_type_ids``)."""
+        input_ids = fields["input_ids"]
+        mask = fields.get("attention_mask")
+        args = (input_ids, torch.ones_like(input_ids) if mask is None else mask)
+        return args if extra is None or fields.get(extra) is None else (*args, fields[extra])
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
 
 class HFCausalLM(_HFPipelineModule):
     """A ``transformers`` causal LM (GPT-2, Llama, Qwen2) as a pipelinable LightningModule.
@@ -514,33 +537,16 @@ class HFCausalLM(_HFPipelineModule):
 
     def _loss(self, batch: Any) -> torch.Tensor:
         fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
-        input_ids = fields["input_ids"]
-        attention_mask = fields.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        input_ids, attention_mask = self._model_args(fields)
         logits = self(input_ids, attention_mask)
         labels = fields.get("labels")
         if labels is None:
             labels = input_ids.masked_fill(attention_mask == 0, -100)
         return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
-
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The logits of a batch (``input_ids`` with an optional ``attention_mask``)."""
-        fields = _batch_fields(batch, ("input_ids", "attention_mask"))
-        input_ids = fields["input_ids"]
-        attention_mask = fields.get("attention_mask")
-        return self(input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+        return self(*self._model_args(_batch_fields(batch, ("input_ids", "attention_mask"))))
 
 
 class HFSequenceRegressor(_HFPipelineModule):
@@ -596,15 +602,9 @@ class HFSequenceRegressor(_HFPipelineModule):
 
     def _loss(self, batch: Any) -> torch.Tensor:
         fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
-        input_ids = fields["input_ids"]
-        attention_mask = fields.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        token_type_ids = fields.get("token_type_ids")
-        if token_type_ids is None:
-            out = self(input_ids, attention_mask)
-        else:
-            out = self(input_ids, attention_mask, token_type_ids)
+        args = self._model_args(fields, "token_type_ids")
+        attention_mask = args[1]
+        out = self(*args)
         labels = fields["labels"] if "labels" in fields else fields["label"]
         token_level = self.head.pooling == "none"
         if self.num_labels is not None:
@@ -618,26 +618,10 @@ class HFSequenceRegressor(_HFPipelineModule):
         weights = attention_mask.to(out.dtype)
         return ((out - labels) ** 2 * weights).sum() / weights.sum().clamp(min=1.0)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
-
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The head's output for a batch: one value per sample for regression (per token with ``pooling="none"``),
         class scores otherwise."""
-        fields = _batch_fields(batch, ("input_ids", "attention_mask"))
-        input_ids = fields["input_ids"]
-        attention_mask = fields.get("attention_mask")
-        token_type_ids = fields.get("token_type_ids")
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        out = self(input_ids, mask) if token_type_ids is None else self(input_ids, mask, token_type_ids)
+        out = self(*self._model_args(_batch_fields(batch, ("input_ids", "attention_mask")), "token_type_ids"))
         return out.squeeze(-1) if self.num_labels is None else out
 
 
