@@ -81,6 +81,7 @@ class PipelineConfig:
     microbatch_group_size: int | None = None
     mesh_order: str = "data_pipeline"
     prefetch_stages: int = 1
+    processes_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel_size is not None:
@@ -123,6 +124,12 @@ class PipelineConfig:
             raise ValueError(
                 "BFPPStrategy: `prefetch_stages` (stages whose weights are gathered ahead of the one computing) must"
                 f" be an int of at least 0, got {prefetch!r}."
+            )
+        per_node = self.processes_per_node
+        if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1):
+            raise ValueError(
+                "BFPPStrategy: `processes_per_node` (the processes of one node, for topology-aware sharding) must"
+                f" be a positive int or None (Lightning's devices per node), got {per_node!r}."
             )
         if isinstance(self.partition, str):
             if self.partition not in PARTITIONS:

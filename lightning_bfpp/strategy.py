@@ -102,6 +102,9 @@ class BFPPStrategy(ModelParallelStrategy):
         prefetch_stages: how many upcoming stages' weight gathers are in flight while a stage computes (default
             1; 0 gathers each stage when its turn comes). Under ``"full_shard"`` at most ``prefetch_stages + 1``
             stages' full weights are held at once: raise it when a stage's compute is shorter than its gather.
+        processes_per_node: the processes of one node, which decide what ``pipeline_parallel_size=None`` means
+            and which ranks share a node for topology-aware sharding. ``None`` (default): Lightning's
+            ``devices`` per node; set it to lay out one machine as several emulated nodes (tests, planning).
         data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
         partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts),
             ``"time"`` (balance forward + backward time per layer, measured on global rank 0 with one training
@@ -145,6 +148,7 @@ class BFPPStrategy(ModelParallelStrategy):
         microbatch_group_size: int | None = None,
         mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
         prefetch_stages: int = 1,
+        processes_per_node: int | None = None,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         overlap_reductions: bool | Literal["auto", "stream", "thread"] = "auto",
         trace: str | Path | None = None,
@@ -167,6 +171,7 @@ class BFPPStrategy(ModelParallelStrategy):
             microbatch_group_size=microbatch_group_size,
             mesh_order=mesh_order,
             prefetch_stages=prefetch_stages,
+            processes_per_node=processes_per_node,
         )
         self._recompute = recompute_policy(activation_checkpointing)
         # None: the module's own `pipeline_partition` if it has one (the Hugging Face adapter's is "time")
@@ -226,7 +231,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self.set_world_ranks()
         planned = self.config.pipeline_parallel_size == "auto"
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
-            self.mesh_shape = self.config.resolve_mesh(self.world_size, max(self.num_processes, 1))
+            self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
         lc.setup_distributed(self)
         self._start_watchdog()
         if not planned:
@@ -260,7 +265,7 @@ class BFPPStrategy(ModelParallelStrategy):
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """``pipeline_parallel_size="auto"``: the planner picks the layout (see lightning_bfpp.auto)."""
         assert self.lightning_module is not None
-        per_node = max(self.num_processes, 1)
+        per_node = self.processes_per_node
         cluster = auto.load_cluster(self._plan_cluster, self.world_size, per_node, self.root_device)
         # the planner models the reductions this strategy will run
         cluster = dataclasses.replace(cluster, overlap_reductions=self._overlaps_reductions())
@@ -319,6 +324,18 @@ class BFPPStrategy(ModelParallelStrategy):
         """
         mesh = self.device_mesh[DATA_PARALLEL]
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @property
+    def processes_per_node(self) -> int:
+        """The processes of one node: ``processes_per_node`` if given, else Lightning's devices per node."""
+        given = self.config.processes_per_node
+        if given is not None:
+            if self.world_size % given:
+                raise ValueError(
+                    f"BFPPStrategy: `processes_per_node={given}` does not divide the world size ({self.world_size})."
+                )
+            return given
+        return max(self.num_processes, 1)
 
     @property
     def pipeline_rank(self) -> int:
