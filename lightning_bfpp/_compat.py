@@ -257,6 +257,12 @@ def _fsdp_state_of(module: Any) -> Any:
     return fully_shard.state(module)
 
 
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A 1-D DeviceMesh split into ``len(sizes)`` dimensions, row-major, sharing the root mesh (DeviceMesh's
+    private ``_unflatten``; creates the new dimensions' process groups, a collective over the world)."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -285,4 +291,5 @@ __all__ = [
     "torch_version",
     "tree_flatten",
     "tree_unflatten",
+    "unflatten_mesh",
 ]

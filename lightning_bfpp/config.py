@@ -18,9 +18,11 @@ ScheduleName = Literal["breadth_first"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard"]
 PartitionSpec = Literal["parameters", "uniform", "time"] | Sequence[int]
 
-SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing")
 NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
-SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
+SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+# the shardings the planner (lightning_bfpp.plan) models; hybrid_shard's cross-node all-reduce is not in its costs
+PLANNED_SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
 PARTITIONS: tuple[str, ...] = ("parameters", "uniform", "time")
 # outer to inner mesh dimension: "data_pipeline" keeps a pipeline's ranks consecutive (inside a node),
 # "pipeline_data" keeps a data-parallel group's ranks consecutive
@@ -42,6 +44,34 @@ class MeshShape:
     pipeline_parallel_size: int
     data_parallel_size: int
     mesh_order: str = "data_pipeline"
+    # sharding="hybrid_shard": the data-parallel ranks of one node, FSDP2's shard dimension (None otherwise)
+    shard_size: int | None = None
+
+    @property
+    def replicate_size(self) -> int:
+        """Copies of each shard (nodes a data-parallel group spans under ``hybrid_shard``; else 1)."""
+        return self.data_parallel_size // self.shard_size if self.shard_size else 1
+
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int) -> int:
+        """The global rank at these mesh coordinates (see :func:`lightning_bfpp.sharding.build_mesh`)."""
+        if self.mesh_order == "data_pipeline":
+            return data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
+        return pipeline_rank * self.data_parallel_size + data_parallel_rank
+
+    def data_parallel_groups(self) -> list[list[int]]:
+        """Per pipeline rank, the global ranks of its data-parallel group in data-parallel rank order."""
+        p, dp = self.pipeline_parallel_size, self.data_parallel_size
+        return [[self.global_rank(q, d) for d in range(dp)] for q in range(p)]
+
+    def hybrid_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``hybrid_shard``'s (shard groups, replicate groups), as global ranks: a shard group is ``shard_size``
+        consecutive data-parallel ranks (one node's), a replicate group the ranks at one place of each."""
+        assert self.shard_size is not None
+        s, shard, replicate = self.shard_size, [], []
+        for ranks in self.data_parallel_groups():
+            shard += [ranks[i : i + s] for i in range(0, len(ranks), s)]
+            replicate += [ranks[i::s] for i in range(s)]
+        return shard, replicate
 
 
 @dataclass(frozen=True)
@@ -98,6 +128,8 @@ class PipelineConfig:
             raise ValueError(
                 f"BFPPStrategy: unknown `schedule={self.schedule!r}`; choose one of {', '.join(SCHEDULES)}."
             )
+        if self.schedule == "weight_passing":
+            self._check_weight_passing()
         if self.microbatch_group_size is not None:
             _check_size("microbatch_group_size", self.microbatch_group_size, allow_auto=False)
             if self.schedule != "depth_first":
@@ -118,6 +150,11 @@ class PipelineConfig:
         if self.sharding not in SHARDINGS:
             raise ValueError(
                 f"BFPPStrategy: unknown `sharding={self.sharding!r}`; choose one of {', '.join(SHARDINGS)}."
+            )
+        if self.sharding == "hybrid_shard" and self.pipeline_parallel_size == "auto":
+            raise ValueError(
+                "BFPPStrategy: the planner (`pipeline_parallel_size='auto'`) does not model sharding='hybrid_shard'"
+                " (its all-reduce across nodes); give `pipeline_parallel_size`, or plan with 'full_shard'."
             )
         prefetch = self.prefetch_stages
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -146,8 +183,26 @@ class PipelineConfig:
                 )
             object.__setattr__(self, "partition", tuple(counts))
 
+    def _check_weight_passing(self) -> None:
+        """Weight passing has no pipeline and one chunk per rank: refuse the knobs that would say otherwise."""
+        fixed = {
+            "pipeline_parallel_size": (self.pipeline_parallel_size, (None, 1)),
+            "stages_per_rank": (self.stages_per_rank, ("auto",)),
+            "data_parallel_size": (self.data_parallel_size, ("auto",)),
+            "sharding": (self.sharding, ("full_shard",)),
+        }
+        for name, (value, allowed) in fixed.items():
+            if value not in allowed:
+                raise ValueError(
+                    f"BFPPStrategy: schedule='weight_passing' sets `{name}` itself (every rank runs the whole model"
+                    " on its own micro-batches, and the layers are cut into one chunk per rank, owned whole by one"
+                    f" rank); got {name}={value!r}. Leave it at its default."
+                )
+
     def resolve_mesh(self, world_size: int, processes_per_node: int) -> MeshShape:
         """Fix the pipeline and data-parallel sizes for ``world_size`` ranks."""
+        if self.schedule == "weight_passing":  # no pipeline: every rank is a data-parallel rank
+            return MeshShape(pipeline_parallel_size=1, data_parallel_size=world_size, mesh_order=self.mesh_order)
         p, dp = self.pipeline_parallel_size, self.data_parallel_size
         if p == "auto":
             raise ValueError("pipeline_parallel_size='auto' is chosen by the planner (lightning_bfpp.auto) first")
@@ -185,7 +240,10 @@ class PipelineConfig:
                 f"BFPPStrategy: `partition` lists {len(self.partition)} stages, which is not a multiple of"
                 f" pipeline_parallel_size={p}; every rank must hold the same number of stages."
             )
-        return MeshShape(pipeline_parallel_size=p, data_parallel_size=dp, mesh_order=self.mesh_order)
+        shape = MeshShape(pipeline_parallel_size=p, data_parallel_size=dp, mesh_order=self.mesh_order)
+        if self.sharding == "hybrid_shard":
+            shape = MeshShape(p, dp, self.mesh_order, shard_size=hybrid_shard_size(shape, processes_per_node))
+        return shape
 
     def resolve_layout(
         self, mesh: MeshShape, layer_weights: Sequence[int], layer_times: Sequence[float] | None = None
@@ -196,13 +254,25 @@ class PipelineConfig:
 
         p = mesh.pipeline_parallel_size
         num_layers = len(layer_weights)
-        if isinstance(self.partition, tuple):
+        if self.schedule == "weight_passing":
+            v = mesh.data_parallel_size  # one chunk per rank
+            if isinstance(self.partition, tuple) and len(self.partition) != v:
+                raise ValueError(
+                    f"BFPPStrategy: schedule='weight_passing' cuts the layers into one chunk per rank ({v}), but"
+                    f" `partition` lists {len(self.partition)}."
+                )
+        elif isinstance(self.partition, tuple):
             v = len(self.partition) // p
         elif self.stages_per_rank == "auto":
             v = 2 if num_layers >= 2 * p and self.schedule not in NON_LOOPED else 1
         else:
             v = self.stages_per_rank
         num_stages = p * v
+        if num_layers < num_stages and self.schedule == "weight_passing":
+            raise ValueError(
+                f"BFPPStrategy: schedule='weight_passing' cuts `pipeline_layers()` into one chunk per rank, but the"
+                f" module returns {num_layers} layers for {num_stages} ranks; use fewer processes or more layers."
+            )
         if num_layers < num_stages:
             raise ValueError(
                 f"BFPPStrategy: the module's `pipeline_layers()` returns {num_layers} layers, fewer than the"
@@ -229,7 +299,9 @@ class PipelineConfig:
             raise ValueError(
                 f"BFPPStrategy: schedule={self.schedule!r} needs one stage per rank, but `partition` gives {v}."
             )
-        m = p if self.num_microbatches == "auto" else self.num_microbatches
+        # weight passing fetches every chunk once per micro-batch: one is the fewest transfers
+        auto_microbatches = 1 if self.schedule == "weight_passing" else p
+        m = auto_microbatches if self.num_microbatches == "auto" else self.num_microbatches
         layout = Layout(
             pipeline_parallel_size=p,
             data_parallel_size=mesh.data_parallel_size,
@@ -245,3 +317,48 @@ class PipelineConfig:
         except ValueError as error:
             raise ValueError(f"BFPPStrategy: {error}") from None
         return layout
+
+
+def hybrid_shard_size(shape: MeshShape, processes_per_node: int) -> int:
+    """``hybrid_shard``'s shard size: how many ranks of each data-parallel group share a node.
+
+    Global rank ``r`` is on node ``r // processes_per_node``. Every data-parallel group must split into
+    nodes holding the same number ``S`` of its ranks, with ``1 < S < data_parallel_size``: FSDP2 then shards
+    over those ``S`` (inside a node) and replicates over the ``data_parallel_size / S`` nodes. A group's ranks
+    rise with its data-parallel rank in both mesh orders, so a node's are consecutive data-parallel ranks.
+    Pure: every rank computes it, and raises the same error, before any collective.
+    """
+    p, dp, order, n = shape.pipeline_parallel_size, shape.data_parallel_size, shape.mesh_order, processes_per_node
+    where = (
+        f"sharding='hybrid_shard' shards inside a node and replicates across nodes, but with processes_per_node={n},"
+        f" pipeline_parallel_size={p}, data_parallel_size={dp} and mesh_order={order!r}"
+    )
+    fix = (
+        " Choose sizes where the data-parallel size is a multiple of the data-parallel ranks per node and larger"
+        " than it (with mesh_order='data_pipeline' a pipeline fits several times in a node, e.g. pipeline_parallel_size"
+        " = processes_per_node / 2; with 'pipeline_data' processes_per_node divides data_parallel_size), or use"
+        " sharding='full_shard' or 'no_shard'."
+    )
+    counts = []
+    for ranks in shape.data_parallel_groups():
+        nodes = [r // n for r in ranks]
+        counts.append([nodes.count(node) for node in dict.fromkeys(nodes)])
+    per_node = counts[0][0]
+    uneven = next((q for q, group in enumerate(counts) if any(c != per_node for c in group)), None)
+    if uneven is not None:
+        listed = ", ".join(str(c) for c in counts[uneven])
+        raise ValueError(
+            f"BFPPStrategy: {where}, the data-parallel groups' ranks are spread unevenly over nodes (pipeline rank"
+            f" {uneven}'s: {listed} per node), so no shard group of one size fits inside a node.{fix}"
+        )
+    if per_node == dp:
+        raise ValueError(
+            f"BFPPStrategy: {where}, each data-parallel group ({dp} ranks) lies inside one node: there is nothing to"
+            f" replicate across nodes.{fix}"
+        )
+    if per_node == 1:
+        raise ValueError(
+            f"BFPPStrategy: {where}, each node holds one rank of each data-parallel group: there is nothing to shard"
+            f" inside a node (it would be 'no_shard').{fix}"
+        )
+    return per_node

@@ -311,7 +311,7 @@ def keep_local_layers(
     remote_params: set[int] = set()
     for (name, layer), rank in zip(named, owner_rank, strict=True):
         if rank == pipeline_rank:
-            _materialize_meta(layer, device)
+            materialize_meta(layer, device)
             layer.to(device)
             local[name] = layer
         else:
@@ -329,7 +329,7 @@ def keep_local_layers(
     return local
 
 
-def _materialize_meta(layer: nn.Module, device: torch.device) -> None:
+def materialize_meta(layer: nn.Module, device: torch.device) -> None:
     for sub in layer.modules():
         if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
             _materialize(sub, device)
@@ -354,4 +354,4 @@ def materialize_remaining(module: nn.Module, device: torch.device) -> None:
 
     Called after :func:`keep_local_layers`, so the only meta tensors left belong to modules every rank keeps.
     """
-    _materialize_meta(module, device)
+    materialize_meta(module, device)

@@ -45,6 +45,7 @@ from lightning_bfpp.user_step import (
     model_returns,
     step_loss,
 )
+from lightning_bfpp.weight_passing import ChunkTransfers, WeightPassingRunner
 
 _MAX_CACHED_SCHEDULES = 8
 
@@ -94,7 +95,7 @@ class Pipeline:
         microbatch_group_size: int | None = None,
         prefetch_stages: int = 1,
         base_seed: int = 0,
-        reductions: GradientReductions | None = None,
+        reductions: GradientReductions | ChunkTransfers | None = None,
         agreement_timeout: float | None = None,
         tied: TiedParameters | None = None,
     ) -> None:
@@ -127,9 +128,9 @@ class Pipeline:
         self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
         # True while the user's step code runs here; collectives called then are refused (see user_step)
         self.running_user_code = False
-        self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule] = OrderedDict()
+        self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule | WeightPassingRunner] = OrderedDict()
         self._active: _ActiveStep | None = None
-        self._schedule_in_use: PlannedSchedule | None = None
+        self._schedule_in_use: PlannedSchedule | WeightPassingRunner | None = None
         self._warned_microbatches: set[tuple[int, int]] = set()
 
     # -- plans -------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class Pipeline:
             return compute  # nothing to gather or reduce: the stages are plain modules (see shard_stage)
         return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads, prefetch=self.prefetch_stages)
 
-    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> PlannedSchedule:
+    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> PlannedSchedule | WeightPassingRunner:
         """The schedule for a step's kind, micro-batch count, batch shape and whether it reduces gradients:
         built once, kept in a least-recently-used cache."""
         train, num_microbatches, _, reduce_grads = key
@@ -166,6 +167,19 @@ class Pipeline:
         else:
             if len(self._schedules) >= _MAX_CACHED_SCHEDULES:
                 self._schedules.popitem(last=False)
+            if isinstance(self.reductions, ChunkTransfers):  # weight passing: no pipeline, our own executor
+                lowered = self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads)
+                runner = WeightPassingRunner(
+                    self.stage_modules,
+                    lowered[0],
+                    num_microbatches,
+                    self._loss_fn,
+                    self.reductions,
+                    backward=train,
+                    device=self.device,
+                )
+                self._schedules[key] = runner
+                return runner
             stages = build_stages(
                 self.stage_modules,
                 self.local_stages,
@@ -290,7 +304,11 @@ class Pipeline:
         it where the weights are needed. Only this one stage, so at most two stages are ever unsharded at
         once under ``full_shard``, as before.
         """
-        if self.sharding != "no_shard" and self.data_parallel_size > 1 and self.prefetch_stages > 0:
+        if self.data_parallel_size == 1 or self.prefetch_stages == 0:
+            return
+        if isinstance(self.reductions, ChunkTransfers):
+            self.reductions.fetch(0)  # weight passing's first chunk, the first visit of every schedule
+        elif self.sharding != "no_shard":
             self.stage_modules[0].unshard(async_op=True)
 
     @contextmanager

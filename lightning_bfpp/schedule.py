@@ -171,13 +171,29 @@ def _require_one_stage(name: str, stages_per_rank: int) -> None:
         )
 
 
+def weight_passing(num_chunks: int, num_microbatches: int) -> Schedule:
+    """Weight passing (WeiPipe, PPoPP 2025; TawPipe, AAAI 2026): one rank's order, the same on every rank.
+
+    Every rank runs its own micro-batches through the whole model, one micro-batch at a time: forward
+    through chunks ``0 … n−1``, then backward through ``n−1 … 0``. The chunks' weights travel to the rank
+    instead of its activations to other ranks, so there is no pipeline (``pipeline_parallel_size=1``, all
+    ``n`` chunks "local") and every rank's list is this one.
+    """
+    _, n, m = _check_sizes(1, num_chunks, num_microbatches)
+    actions: list[Action] = []
+    for mb in range(m):
+        actions += [Action(c, F, mb) for c in range(n)]
+        actions += [Action(c, B, mb) for c in reversed(range(n))]
+    return {0: actions}
+
+
 def forward_only(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
     """Breadth-first forwards without backward: the evaluation schedule (validation, test, predict)."""
     p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
     return {r: [Action(s, F, mb) for s in rank_stages(r, p, v) for mb in range(m)] for r in range(p)}
 
 
-SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing")
 LOOPED_SCHEDULES = ("breadth_first", "depth_first")
 
 
@@ -199,6 +215,13 @@ def generate(
         return gpipe(pipeline_parallel_size, stages_per_rank, num_microbatches)
     if name == "1f1b":
         return one_f_one_b(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    if name == "weight_passing":
+        if pipeline_parallel_size != 1:
+            raise ValueError(
+                "schedule='weight_passing' moves weights, not activations: it needs pipeline_parallel_size=1"
+                f" (got {pipeline_parallel_size}); its chunks are the stages of that one rank."
+            )
+        return weight_passing(stages_per_rank, num_microbatches)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
@@ -307,7 +330,7 @@ def _ready(a: Action, done: set[tuple[int, Kind, int | None]], num_stages: int) 
 # --------------------------------------------------------------------------------------------------
 # lowering: data-parallel actions
 
-Sharding = str  # "full_shard" | "shard_grad_op" | "no_shard"
+Sharding = str  # "full_shard" | "shard_grad_op" | "no_shard" | "weight_passing"
 
 
 def add_sharding_actions(
@@ -334,6 +357,10 @@ def add_sharding_actions(
     Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
     ``shard_grad_op``, and at most ``prefetch + 1`` stages' full weights resident at once with ``full_shard``.
 
+    - ``"weight_passing"``: like ``"full_shard"`` (a chunk's weights are fetched for a visit and freed after
+      it), but its gradients are reduced to their owner after *every* backward visit: a rank holds no
+      gradients of chunks it does not own beyond one micro-batch's.
+
     ``reduce_grads=False`` leaves the ``REDUCE_GRAD`` actions out: for the batches of a gradient-accumulation
     window before its last, whose gradients FSDP2 keeps unsharded and adds to until the last batch's
     reduction (one reduction per optimizer step instead of one per batch).
@@ -342,7 +369,7 @@ def add_sharding_actions(
     stages unsharded (a fixed look-ahead of three distinct stages), which for ``v ≤ 3`` never reshards at all
     and gives up ZeRO-3's memory saving, and it has no ZeRO-2 variant.
     """
-    if sharding not in ("full_shard", "shard_grad_op", "no_shard"):
+    if sharding not in ("full_shard", "shard_grad_op", "no_shard", "weight_passing"):
         raise ValueError(f"unknown sharding {sharding!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int (stages gathered ahead), got {prefetch!r}")
@@ -370,7 +397,9 @@ def add_sharding_actions(
                 unshard(upcoming)
         out.extend(run)
         finished = False
-        if kind is B:
+        if kind is B and sharding == "weight_passing":
+            out.append(Action(stage, REDUCE_GRAD))  # per visit, whatever `reduce_grads` (the owner accumulates)
+        elif kind is B:
             backward_count[stage] += len(run)
             if backward_count[stage] == num_microbatches:
                 if reduce_grads:
@@ -380,7 +409,7 @@ def add_sharding_actions(
             finished = True
         if stage in ahead:
             continue  # needed again within the look-ahead: keep it rather than gather it again
-        if sharding == "full_shard" or finished:
+        if sharding in ("full_shard", "weight_passing") or finished:
             reshard(stage)
     for stage in list(active):
         reshard(stage)

@@ -48,6 +48,7 @@ from lightning_bfpp.layers import (
     StageModule,
     keep_local_layers,
     layer_weights,
+    materialize_meta,
     materialize_remaining,
     pipeline_layers,
     recompute_policy,
@@ -63,12 +64,16 @@ from lightning_bfpp.sharding import (
     DATA_PARALLEL,
     PIPELINE_PARALLEL,
     build_mesh,
+    data_parallel_mesh,
+    schedule_sharding,
     second_data_parallel_group,
     shard_stage,
 )
 from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
+from lightning_bfpp.topology import NodeTopology
 from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
+from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, topology_groups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -91,14 +96,19 @@ class BFPPStrategy(ModelParallelStrategy):
         num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
         schedule: ``"breadth_first"`` (all micro-batches through one local stage before the next; the
             default), ``"depth_first"`` (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage
-            per rank).
+            per rank), or ``"weight_passing"`` (TawPipe: no pipeline; every rank trains on its own
+            micro-batches through the whole model while the layers, cut into one chunk per rank and each owned
+            by one rank, travel to it along the node topology; see :mod:`lightning_bfpp.weight_passing`).
         microbatch_group_size: for ``"depth_first"``, micro-batches per stage visit, from ``p``
             (depth-first, the default) to ``m`` (Megatron's breadth-first end of the same order).
         mesh_order: ``"data_pipeline"`` puts a pipeline's ranks on consecutive global ranks (inside a
             node); ``"pipeline_data"`` puts a data-parallel group's there, keeping the sharded
             all-gathers and reductions inside a node (the planner says which is faster).
         sharding: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2) or ``"no_shard"`` (replicated,
-            gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage.
+            gradients all-reduced) over the data-parallel group, one FSDP2 unit per stage; ``"hybrid_shard"``:
+            ZeRO-3 over the data-parallel ranks of a node, replicated across nodes (FSDP2's HSDP; the
+            data-parallel group must span several nodes, each holding several of its ranks, see
+            ``processes_per_node``).
         prefetch_stages: how many upcoming stages' weight gathers are in flight while a stage computes (default
             1; 0 gathers each stage when its turn comes). Under ``"full_shard"`` at most ``prefetch_stages + 1``
             stages' full weights are held at once: raise it when a stage's compute is shorter than its gather.
@@ -141,8 +151,8 @@ class BFPPStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int | Auto | None = None,
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
-        schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b"] = "breadth_first",
-        sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = "full_shard",
+        schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing"] = "breadth_first",
+        sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec | None = None,
         microbatch_group_size: int | None = None,
@@ -210,6 +220,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self._full_parameter_names: list[str] = []
         # copies of parameters tied across stages (see lightning_bfpp.tied)
         self.tied = TiedParameters([], {})
+        # the mesh the stages shard over: mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
+        self._sharding_mesh: Any = None
 
     # -- precision ---------------------------------------------------------------------------------
 
@@ -260,7 +272,9 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def _build_device_mesh(self) -> None:
         assert self.mesh_shape is not None and self.lightning_module is not None
-        lc.set_device_mesh(self, self.lightning_module, build_mesh(self.root_device, self.mesh_shape))
+        mesh = build_mesh(self.root_device, self.mesh_shape)
+        lc.set_device_mesh(self, self.lightning_module, mesh)
+        self._sharding_mesh = data_parallel_mesh(mesh, self.mesh_shape)  # hybrid_shard: creates its groups
 
     def _plan_layout(self, trainer: pl.Trainer) -> None:
         """``pipeline_parallel_size="auto"``: the planner picks the layout (see lightning_bfpp.auto)."""
@@ -377,6 +391,8 @@ class BFPPStrategy(ModelParallelStrategy):
             )
             # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
             self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
+            if isinstance(self.pipeline.reductions, ChunkTransfers):
+                self.pipeline.reductions.connect(*topology_groups(self.pipeline.reductions.topology))
             self.tied.broadcast_from_owner()
         elif self.pipeline.module is not module:
             raise RuntimeError(
@@ -417,6 +433,8 @@ class BFPPStrategy(ModelParallelStrategy):
             return None
         if self.config.sharding == "no_shard":
             return None  # replicated gradients are all-reduced by FSDP2's replicate, kept synchronous
+        # hybrid_shard overlaps too: FSDP2's post-backward reduce-scatters inside the node (under "thread" on a
+        # second shard group, see second_data_parallel_group) and then all-reduces across nodes, in one reduction
         if self.overlap_reductions in ("stream", "thread"):
             return self.overlap_reductions
         return "stream" if self.root_device.type == "cuda" else "thread"
@@ -429,7 +447,10 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def _reduction_group(self) -> Any:
         """The process group the communication thread reduces on (a collective: every rank creates all)."""
-        return second_data_parallel_group(self.device_mesh) if self._overlap_mode() == "thread" else None
+        if self._overlap_mode() != "thread":
+            return None
+        assert self.mesh_shape is not None
+        return second_data_parallel_group(self.device_mesh, self.mesh_shape.shard_size)
 
     def _build_pipeline(self, module: pl.LightningModule, base_seed: int, reduce_group: Any = None) -> Pipeline:
         """Split, place, shard: no collectives in here (see ``setup``: errors are agreed on afterwards)."""
@@ -447,6 +468,8 @@ class BFPPStrategy(ModelParallelStrategy):
         layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
         owner = [plan.rank_of(s) for s in layer_stage]
         check_shared_modules(named, layer_stage)
+        if self.config.schedule == "weight_passing":
+            return self._build_weight_passing(module, named, ties, plan, layer_stage, base_seed)
         # which local slots share a tensor, before materializing breaks that (see lightning_bfpp.tied.retie)
         identities = record_identities(named, [i for i, rank in enumerate(owner) if rank == self.pipeline_rank])
         local = keep_local_layers(module, named, owner, self.pipeline_rank, self.root_device)
@@ -455,7 +478,7 @@ class BFPPStrategy(ModelParallelStrategy):
         materialize_remaining(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        dp_mesh = self.device_mesh[DATA_PARALLEL]
+        dp_mesh = self._sharding_mesh if self._sharding_mesh is not None else self.device_mesh[DATA_PARALLEL]
         stage_modules = []
         for stage in plan.stages_of(self.pipeline_rank):
             layers = [local[name] for name in plan.stage_layers(stage)]
@@ -492,7 +515,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self.device_mesh,
             self.root_device,
             schedule=self.config.schedule,
-            sharding=self.config.sharding,
+            sharding=schedule_sharding(self.config.sharding),
             num_microbatches=layout.num_microbatches,
             microbatch_group_size=layout.microbatch_group_size,
             prefetch_stages=self.config.prefetch_stages,
@@ -501,6 +524,74 @@ class BFPPStrategy(ModelParallelStrategy):
             # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
             tied=self.tied,
+        )
+
+    def _build_weight_passing(
+        self,
+        module: pl.LightningModule,
+        named: list[tuple[str, nn.Module]],
+        ties: list[Any],
+        plan: StagePlan,
+        layer_stage: list[int],
+        base_seed: int,
+    ) -> Pipeline:
+        """Weight passing: one chunk per rank, owned whole by the rank TawPipe's placement gives it; the
+        LightningModule keeps the owned layers (so the optimizer and checkpoints see exactly those), the other
+        chunks' layers are kept beside it with no storage until fetched (see lightning_bfpp.weight_passing)."""
+        assert self.layout is not None
+        if ties:
+            raise ValueError(
+                f"BFPPStrategy(schedule='weight_passing') cannot train parameters shared by several layers yet"
+                f" (`{ties[0].canonical}`); use schedule='breadth_first', which supports them."
+            )
+        device, me = self.root_device, self.global_rank
+        topology = NodeTopology(self.world_size, self.processes_per_node)
+        chunk_owner = [topology.chunk_owner(c) for c in range(plan.num_stages)]
+        owner = [chunk_owner[s] for s in layer_stage]
+        identities = record_identities(named, range(len(named)))
+        local = keep_local_layers(module, named, owner, me, device)
+        borrowed = {}
+        for (name, layer), rank in zip(named, owner, strict=True):
+            if rank != me:
+                materialize_meta(layer, device)
+                borrowed[name] = self.precision_plugin.convert_module(layer.to(device))
+        self.tied = retie(identities, ties, layer_stage, chunk_owner)  # a layer's own ties, broken by to_empty
+        materialize_remaining(module, device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        layers_by_name = {**local, **borrowed}
+        stage_modules, chunks = [], []
+        for c in range(plan.num_stages):
+            names = plan.stage_layers(c)
+            layers = [layers_by_name[name] for name in names]
+            layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
+            stage_module = StageModule(layers, c, names=names, is_last=c == plan.num_stages - 1)
+            stage_modules.append(stage_module)
+            chunks.append(ChunkWeights(list(stage_module.parameters()), owned=chunk_owner[c] == me))
+        weights = layer_weights(named)
+        rank_zero_info(
+            f"BFPPStrategy: schedule=weight_passing over {self.world_size} ranks ({topology.num_nodes} node(s) of"
+            f" {topology.processes_per_node}), num_microbatches={self.layout.num_microbatches} per rank\n"
+            + "\n".join(
+                f"chunk {c:>3} owned by rank {chunk_owner[c]:>3}: {len(plan.stage_layers(c)):>3} layers,"
+                f" {sum(weights[i] for i in plan.layer_range(c)):,} parameters"
+                for c in range(plan.num_stages)
+            )
+        )
+        self._log_sync = LoggedValueSync(device)
+        return Pipeline(
+            module,
+            plan,
+            stage_modules,
+            self.device_mesh,
+            device,
+            schedule="weight_passing",
+            sharding="weight_passing",
+            num_microbatches=self.layout.num_microbatches,
+            prefetch_stages=self.config.prefetch_stages,
+            base_seed=base_seed,
+            reductions=ChunkTransfers(chunks, topology, me, None, None),
+            agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )
 
     # -- training ----------------------------------------------------------------------------------
@@ -621,6 +712,8 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def _pipeline_group(self) -> Any:
         assert self.layout is not None
+        if self.config.schedule == "weight_passing":  # each chunk's gradients live on its owner alone
+            return dist.group.WORLD if self.world_size > 1 else None
         return self.device_mesh[PIPELINE_PARALLEL].get_group() if self.layout.pipeline_parallel_size > 1 else None
 
     # -- evaluation --------------------------------------------------------------------------------

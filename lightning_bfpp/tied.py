@@ -25,7 +25,8 @@ copies are kept equal:
   copies the optimizers treat differently (:meth:`TiedParameters.check_optimizers`). A parameter shared with
   a module outside the pipeline layers is refused by :mod:`lightning_bfpp.layers`. Copies cannot differ in
   shape or mesh: they are clones of one Parameter, and every stage shards over a data-parallel group of the
-  same size, so a replica's copies hold the same shard.
+  same size (under ``hybrid_shard`` split alike into (replicate, shard), and the ranks of one pipeline share
+  their place in it), so a replica's copies hold the same shard, already all-reduced across nodes.
 
 This module does not import Lightning.
 """

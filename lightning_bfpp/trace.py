@@ -61,6 +61,10 @@ class StepTracer:
     @contextmanager
     def recording(self, schedule: PipelineScheduleRuntime) -> Iterator[None]:
         """Hook the runtime for the duration of one ``schedule.run``."""
+        if hasattr(schedule, "hooked"):  # weight passing runs its own actions (lightning_bfpp.weight_passing)
+            with schedule.hooked(action_range=self._action_range, weight_wait=partial(self._timed_wait, "gather_wait")):
+                yield
+            return
         with hooked_runtime(
             schedule,
             action_range=self._action_range,

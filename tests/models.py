@@ -326,6 +326,8 @@ def after_fit(trainer: L.Trainer, model: L.LightningModule, run: RunSpec, batch_
     out: dict[str, Any] = {}
     if "test" in run.checks:
         out["test"] = trainer.test(model, eval_loader(run, batch_size, seed=3), verbose=False)
+    if "markers" in run.checks:  # tests.probe_models.MarkerNet
+        out["markers"] = model.marker_report()
     if "predict" in run.checks:
         # the per-replica batch size on every strategy, so one device yields the same batches
         predictions = trainer.predict(model, eval_loader(run, run.local_batch_size, seed=4))

@@ -79,6 +79,10 @@ class EventLog:
         # compute ran, on this rank's clock (compare times within one rank only)
         self.timed: list[list[Any]] = []
         self.hooked_steps: set[int] = set()  # steps during which torch's runtime globals were replaced
+        # [step, collective, the group's global ranks, bytes, inside FSDP2's gathers and reductions]: the bytes
+        # each data-moving collective handles on this rank (all-gather: received incl. its own shard;
+        # reduce-scatter: its input; all-reduce: the tensor); written for runs with the "traffic" check
+        self.traffic: list[list[Any]] = []
         self.stage_of_param: dict[int, int] = {}
         self.step = 0
 
@@ -86,6 +90,7 @@ class EventLog:
         self.events.clear()
         self.timed.clear()
         self.hooked_steps.clear()
+        self.traffic.clear()
 
     def install(self) -> None:
         gather, reduce = fsdp_param_group.foreach_all_gather, fsdp_param_group.foreach_reduce
@@ -146,6 +151,37 @@ class EventLog:
         test_models.gradient_norm = flagged(test_models.gradient_norm)
         for name in COLLECTIVES:
             setattr(dist, name, counted(name, getattr(dist, name)))
+
+        def measured(name: str, fn: Any, tensor_arg: tuple[int, str]) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                position, keyword = tensor_arg
+                tensor = kwargs[keyword] if keyword in kwargs else args[position]
+                group = kwargs.get("group", args[2] if name == "all_reduce" and len(args) > 2 else None)
+                ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+                size = tensor.numel() * tensor.element_size()
+                log.traffic.append([log.step, name, ranks, size, bool(getattr(inside_fsdp, "depth", 0))])
+                return fn(*args, **kwargs)
+
+            return call
+
+        # which tensor's size is the collective's bytes: (position, keyword)
+        for name, tensor_arg in (
+            ("all_reduce", (0, "tensor")),
+            ("all_gather_single", (0, "output_tensor")),
+            ("all_gather_into_tensor", (0, "output_tensor")),
+            ("reduce_scatter_single", (1, "input")),
+            ("reduce_scatter_tensor", (1, "input")),
+            # weight passing's transfers (lightning_bfpp.weight_passing): the chunk or gradient buffer
+            ("broadcast", (0, "tensor")),
+            ("reduce", (0, "tensor")),
+            ("isend", (0, "tensor")),
+            ("irecv", (0, "tensor")),
+        ):
+            setattr(dist, name, measured(name, getattr(dist, name), tensor_arg))
+            if name in ("isend", "irecv"):
+                # torch checks a P2POp's op against its module's own isend / irecv by identity (pipeline sends
+                # and receives are P2POp(dist.isend, ...)): replace those too, or every batched transfer fails
+                setattr(dist.distributed_c10d, name, getattr(dist, name))
         forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
 
         def forward_one_chunk(stage, chunk, *args, **kwargs):
@@ -349,6 +385,7 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         "validations": recorder.validations,
         "events": events.events,
         "timed": events.timed,
+        **({"traffic": events.traffic} if "traffic" in run.checks else {}),
         "holdings": probe.holdings,
         "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         **extras,
@@ -367,7 +404,9 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
                 full = value.full_tensor() if isinstance(value, DTensor) else value
                 params[f"optimizer/{names[id(param)]}/{key}"] = full.detach().clone()
     strategy = trainer.strategy
-    if strategy.data_parallel_rank == 0:
+    if strategy.config.schedule == "weight_passing":  # every rank owns one chunk
+        torch.save(params, out / f"params_pp0_owner{strategy.global_rank}.pt")
+    elif strategy.data_parallel_rank == 0:
         torch.save(params, out / f"params_pp{strategy.pipeline_rank}.pt")
     trainer.strategy.barrier()
 
