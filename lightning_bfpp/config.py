@@ -21,8 +21,6 @@ PartitionSpec = Literal["parameters", "uniform", "time"] | Sequence[int]
 SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing")
 NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
-# the shardings the planner (lightning_bfpp.plan) models; hybrid_shard's cross-node all-reduce is not in its costs
-PLANNED_SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
 PARTITIONS: tuple[str, ...] = ("parameters", "uniform", "time")
 # outer to inner mesh dimension: "data_pipeline" keeps a pipeline's ranks consecutive (inside a node),
 # "pipeline_data" keeps a data-parallel group's ranks consecutive
@@ -150,11 +148,6 @@ class PipelineConfig:
         if self.sharding not in SHARDINGS:
             raise ValueError(
                 f"BFPPStrategy: unknown `sharding={self.sharding!r}`; choose one of {', '.join(SHARDINGS)}."
-            )
-        if self.sharding == "hybrid_shard" and self.pipeline_parallel_size == "auto":
-            raise ValueError(
-                "BFPPStrategy: the planner (`pipeline_parallel_size='auto'`) does not model sharding='hybrid_shard'"
-                " (its all-reduce across nodes); give `pipeline_parallel_size`, or plan with 'full_shard'."
             )
         prefetch = self.prefetch_stages
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:

@@ -7,10 +7,22 @@ Pure except :mod:`~lightning_bfpp.plan.profile`, :mod:`~lightning_bfpp.plan.cali
 
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, gpt, uniform
-from lightning_bfpp.plan.search import Candidate, SearchSpace, format_table, search
-from lightning_bfpp.plan.simulate import PlanConfig, Prediction, simulate
+from lightning_bfpp.plan.search import (
+    PLAN_SCHEDULES,
+    PLAN_SHARDINGS,
+    Candidate,
+    SearchSpace,
+    format_table,
+    search,
+    search_per_replica_batch,
+)
+from lightning_bfpp.plan.simulate import HYBRID_SHARD, WEIGHT_PASSING, PlanConfig, Prediction, simulate
 
 __all__ = [
+    "HYBRID_SHARD",
+    "PLAN_SCHEDULES",
+    "PLAN_SHARDINGS",
+    "WEIGHT_PASSING",
     "Candidate",
     "Cluster",
     "LayerCost",
@@ -21,6 +33,7 @@ __all__ = [
     "format_table",
     "gpt",
     "search",
+    "search_per_replica_batch",
     "simulate",
     "uniform",
 ]

@@ -31,8 +31,7 @@ from typing import Any
 
 from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster
 from lightning_bfpp.plan.costs import ModelProfile, gpt
-from lightning_bfpp.plan.search import SearchSpace, format_table, search
-from lightning_bfpp.schedule import SCHEDULES
+from lightning_bfpp.plan.search import PLAN_SCHEDULES, SearchSpace, format_table, search
 from lightning_bfpp.timeline import draw
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -64,6 +63,9 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     _profile_source(parser, required=False)
     parser.add_argument("--flops", type=float, help="sustained FLOP/s per device (with --gpt)")
     parser.add_argument("--recompute", action="store_true", help="activation recomputation (with --gpt)")
+    parser.add_argument(
+        "--flash-attention", action="store_true", help="attention stores no score matrices (with --gpt)"
+    )
     parser.add_argument("--optimizer-state-ratio", type=float, help="optimizer bytes per parameter byte")
     parser.add_argument("--cluster", type=Path, help="a machine description (JSON, e.g. from `calibrate`)")
     parser.add_argument("--devices", type=int)
@@ -71,6 +73,12 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=quantity, help="memory per device, e.g. 80GiB")
     parser.add_argument("--intra-node-bandwidth", type=quantity, help="per device, e.g. 200GB/s")
     parser.add_argument("--inter-node-bandwidth", type=quantity, help="per device, e.g. 25GB/s")
+    parser.add_argument(
+        "--rail-bandwidth",
+        type=quantity,
+        help="what one device reaches across nodes while the rest of its node is quiet (weight passing's rail"
+        " transfers; e.g. a shared NIC's whole bandwidth); default: --inter-node-bandwidth",
+    )
     parser.add_argument("--latency", type=float, help="seconds per message")
     parser.add_argument(
         "--reductions",
@@ -80,7 +88,12 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
         " file keeps its own setting unless this is given)",
     )
     parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=SCHEDULES)
+    parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=PLAN_SCHEDULES)
+    parser.add_argument(
+        "--stagger",
+        action="store_true",
+        help="also rank weight passing with the node stagger (a what-if: the runtime does not implement it)",
+    )
     parser.add_argument("--shardings", type=lambda s: tuple(s.split(",")))
     parser.add_argument("--mesh-orders", type=lambda s: tuple(s.split(",")), default=MESH_ORDERS)
     parser.add_argument("--pipeline-sizes", type=_ints)
@@ -122,7 +135,15 @@ def _profile(args: argparse.Namespace) -> ModelProfile:
         if args.flops is None:
             raise SystemExit("--gpt needs --flops (sustained FLOP/s per device)")
         layers, hidden, sequence, vocab = args.gpt
-        profile = gpt(layers, hidden, sequence, vocab, flops_per_second=args.flops, recompute=args.recompute)
+        profile = gpt(
+            layers,
+            hidden,
+            sequence,
+            vocab,
+            flops_per_second=args.flops,
+            recompute=args.recompute,
+            flash_attention=args.flash_attention,
+        )
     if args.optimizer_state_ratio is not None:
         profile = replace(profile, optimizer_state_ratio=args.optimizer_state_ratio)
     return profile
@@ -137,6 +158,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         "intra_node_bandwidth": args.intra_node_bandwidth,
         "inter_node_bandwidth": args.inter_node_bandwidth,
         "latency_s": args.latency,
+        "inter_node_rail_bandwidth": args.rail_bandwidth,
     }
     given = {k: v for k, v in given.items() if v is not None}
     if cluster is None:
@@ -165,6 +187,7 @@ def run_search(args: argparse.Namespace) -> None:
         pipeline_sizes=args.pipeline_sizes,
         stages_per_rank=args.stages_per_rank,
         num_microbatches=args.microbatches,
+        weight_passing_stagger=(False, True) if args.stagger else (False,),
     )
     candidates = search(profile, cluster, args.global_batch, space)
     feasible = [c for c in candidates if c.infeasible is None]

@@ -3,14 +3,39 @@
 Collectives use the ring model: an all-gather or reduce-scatter of ``B`` bytes (the full tensor) over
 ``n`` ranks moves ``(n − 1)/n · B`` bytes through each rank's slowest link in ``n − 1`` steps; an
 all-reduce twice that. A group whose ranks all share a node uses the intra-node bandwidth, one that spans
-nodes the inter-node bandwidth. Which groups stay inside a node depends on the mesh order: with
+nodes the inter-node bandwidth, ``inter_node_bandwidth`` being each device's share when every device of a
+node communicates across nodes at once. A spanning group with ``g`` members on each node crosses each node's
+links once per ring (its members pass the data on among themselves inside the node) while the node's
+``S/g`` such groups cross side by side, so it gets ``g · inter_node_bandwidth``: one group over every device
+(``pipeline_parallel_size=1``) gets the whole node's, as NCCL's bus bandwidth across nodes does; groups with
+one member per node (hybrid sharding's replicate groups, pipelines inside a node) get one device's share.
+Which groups stay inside a node depends on the mesh order: with
 ``"data_pipeline"`` (the default) the ranks of one pipeline are consecutive, so pipelines stay inside a
 node and data-parallel groups cross nodes; ``"pipeline_data"`` keeps data-parallel groups inside a node.
+
+Hybrid sharding (``"hybrid_shard"``, FSDP2's HSDP) splits a data-parallel group of ``n`` ranks into shard
+groups of the ``n_s`` members on one node and replicate groups of the ``n_r = n / n_s`` nodes it spans.
+Gathering a stage of ``B`` bytes is an all-gather inside the node; reducing its gradients a reduce-scatter
+inside the node, then an all-reduce of the ``B / n_s`` shard across nodes::
+
+    gather = ring(n_s, B, intra)
+    reduce = ring(n_s, B, intra) + 2 · ring(n_r, B / n_s, inter)
+    ring(n, B, bw) = overhead + (n − 1) · latency + (n − 1)/n · B / bw        (0 when n = 1)
+
+so a node sends ``n_s · 2 · (n_r − 1)/n_r · B / n_s = 2 · B · (n_r − 1)/n_r`` across nodes per step, whatever the
+number of micro-batches, and each rank holds ``B / n_s`` of the weights, gradients and optimizer state
+(``n_r`` times full sharding's ``B / n``).
+
+Weight passing moves whole chunks along *rails* (the devices with one local rank, one per node), one device
+of a node at a time: it uses ``rail_bandwidth``, what one device reaches across nodes while the others of
+its node are quiet (a node's whole NIC where the devices share one; the device's own NIC on a rail-optimised
+fabric). Collectives, where every device of a node sends at once, use ``inter_node_bandwidth``.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,10 +61,19 @@ class Cluster:
     # whether gradient reductions overlap later compute: BFPPStrategy's overlap_reductions (on by default on
     # CUDA); torch's own REDUCE_GRAD, used on gloo by default, makes every later compute wait for them
     overlap_reductions: bool = False
+    # bytes/s one device moves across nodes while its node's other devices do not (weight passing's rail
+    # transfers); None: inter_node_bandwidth (one NIC per device, no more for one device than for all)
+    inter_node_rail_bandwidth: float | None = None
 
     @property
     def num_nodes(self) -> int:
         return -(-self.num_devices // self.devices_per_node)
+
+    @property
+    def rail_bandwidth(self) -> float:
+        """Point-to-point bytes/s of one device across nodes while the rest of its node is quiet."""
+        single = self.inter_node_bandwidth if self.inter_node_rail_bandwidth is None else self.inter_node_rail_bandwidth
+        return single * self.p2p_bandwidth_ratio
 
     def to_json(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -58,8 +92,11 @@ def global_rank(pipeline_rank: int, data_rank: int, p: int, dp: int, mesh_order:
 
 
 def _bandwidth(cluster: Cluster, ranks: list[int]) -> float:
-    nodes = {r // cluster.devices_per_node for r in ranks}
-    return cluster.intra_node_bandwidth if len(nodes) == 1 else cluster.inter_node_bandwidth
+    per_node = Counter(r // cluster.devices_per_node for r in ranks)
+    if len(per_node) == 1:
+        return cluster.intra_node_bandwidth
+    # g members per node: g devices' share of the node's links (never more than the links inside a node)
+    return min(cluster.inter_node_bandwidth * max(per_node.values()), cluster.intra_node_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -71,21 +108,39 @@ class Links:
     dp: int
     latency_s: float
     collective_overhead_s: float = 0.0
+    # hybrid sharding, per pipeline rank: its data-parallel group's members on one node (the shard group)
+    # and the nodes the group spans (the replicate group); the bandwidths of those groups
+    shard_size: tuple[int, ...] = ()
+    replicate_size: tuple[int, ...] = ()
+    intra_node_bandwidth: float = 0.0
+    inter_node_bandwidth: float = 0.0
 
     def p2p_s(self, src_rank: int, nbytes: int) -> float:
         return self.latency_s + nbytes / self.p2p_bandwidth[src_rank]
 
-    def all_gather_s(self, rank: int, nbytes: int) -> float:
-        if self.dp == 1:
+    def ring_s(self, n: int, nbytes: float, bandwidth: float) -> float:
+        """An all-gather or reduce-scatter of ``nbytes`` (the full tensor) over ``n`` ranks."""
+        if n <= 1:
             return 0.0
-        n = self.dp
-        ring = (n - 1) * self.latency_s + (n - 1) / n * nbytes / self.data_parallel_bandwidth[rank]
-        return self.collective_overhead_s + ring
+        return self.collective_overhead_s + (n - 1) * self.latency_s + (n - 1) / n * nbytes / bandwidth
+
+    def all_gather_s(self, rank: int, nbytes: int) -> float:
+        return self.ring_s(self.dp, nbytes, self.data_parallel_bandwidth[rank])
 
     reduce_scatter_s = all_gather_s
 
     def all_reduce_s(self, rank: int, nbytes: int) -> float:
         return 2 * self.all_gather_s(rank, nbytes)
+
+    def hybrid_all_gather_s(self, rank: int, nbytes: int) -> float:
+        """``hybrid_shard``: gather a stage inside the node."""
+        return self.ring_s(self.shard_size[rank], nbytes, self.intra_node_bandwidth)
+
+    def hybrid_reduce_s(self, rank: int, nbytes: int) -> float:
+        """``hybrid_shard``: reduce-scatter inside the node, then all-reduce each shard across nodes."""
+        n_s, n_r = self.shard_size[rank], self.replicate_size[rank]
+        inside = self.ring_s(n_s, nbytes, self.intra_node_bandwidth)
+        return inside + 2 * self.ring_s(n_r, nbytes / n_s, self.inter_node_bandwidth)
 
 
 def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
@@ -94,5 +149,29 @@ def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
         nxt = (r + 1) % p
         ranks = [global_rank(r, 0, p, dp, mesh_order), global_rank(nxt, 0, p, dp, mesh_order)]
         p2p.append(_bandwidth(cluster, ranks) * cluster.p2p_bandwidth_ratio)
-    data = [_bandwidth(cluster, [global_rank(r, d, p, dp, mesh_order) for d in range(dp)]) for r in range(p)]
-    return Links(tuple(p2p), tuple(data), dp, cluster.latency_s, cluster.collective_overhead_s)
+    groups = [[global_rank(r, d, p, dp, mesh_order) for d in range(dp)] for r in range(p)]
+    data = [_bandwidth(cluster, group) for group in groups]
+    shard, replicate = zip(*(hybrid_groups(cluster, group) for group in groups), strict=True)
+    return Links(
+        tuple(p2p),
+        tuple(data),
+        dp,
+        cluster.latency_s,
+        cluster.collective_overhead_s,
+        shard,
+        replicate,
+        cluster.intra_node_bandwidth,
+        cluster.inter_node_bandwidth,
+    )
+
+
+def hybrid_groups(cluster: Cluster, ranks: list[int]) -> tuple[int, int]:
+    """``(n_s, n_r)``: a data-parallel group's members per node (its shard group, the largest where they
+    differ) and the number of nodes it spans (its replicate group)."""
+    per_node = Counter(r // cluster.devices_per_node for r in ranks)
+    return max(per_node.values()), len(per_node)
+
+
+def hybrid_inter_node_bytes(param_bytes: float, replicate: int) -> float:
+    """Bytes one node sends across nodes per step under ``hybrid_shard``: ``2 · Ψ · (n_r − 1)/n_r``."""
+    return 2 * param_bytes * (replicate - 1) / replicate

@@ -21,6 +21,9 @@ class LayerCost:
 
     ``output_bytes`` is what it hands the next layer (sent between pipeline ranks at a stage boundary);
     ``saved_bytes`` what it keeps for its backward (activation memory); ``param_bytes`` its weights.
+    ``activation_bytes`` is what its backward needs when nothing is recomputed (``None``: ``saved_bytes``):
+    under activation recomputation ``saved_bytes`` is only the layer's input, while a recomputed forward
+    briefly holds ``activation_bytes`` again (weight passing recomputes whole chunks, so it needs this).
     """
 
     forward_s: float
@@ -28,6 +31,11 @@ class LayerCost:
     param_bytes: int
     output_bytes: int
     saved_bytes: int
+    activation_bytes: int | None = None
+
+    @property
+    def full_activation_bytes(self) -> int:
+        return self.saved_bytes if self.activation_bytes is None else self.activation_bytes
 
     def scaled(self, factor: float) -> LayerCost:
         return LayerCost(
@@ -36,6 +44,7 @@ class LayerCost:
             self.param_bytes,
             int(self.output_bytes * factor),
             int(self.saved_bytes * factor),
+            None if self.activation_bytes is None else int(self.activation_bytes * factor),
         )
 
 
@@ -48,6 +57,9 @@ class ModelProfile:
     optimizer_state_ratio: float = 2.0
     # time of the optimizer update per parameter byte held (memory-bound elementwise update)
     optimizer_s_per_byte: float = 0.0
+    # whether each layer's backward_s already includes recomputing its forward (activation recomputation);
+    # weight passing always recomputes, and adds forward_s to backward_s where this is False
+    recompute: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -98,6 +110,7 @@ def gpt(
     microbatch_size: int = 1,
     bytes_per_value: int = 2,
     recompute: bool = False,
+    flash_attention: bool = False,
     name: str = "gpt",
 ) -> ModelProfile:
     """A GPT decoder as pipeline layers: embedding, ``num_layers`` transformer blocks, output head.
@@ -106,22 +119,26 @@ def gpt(
     ``24·s·h² + 4·s²·h`` FLOPs per sequence, its backward twice that; the head ``2·s·h·V``.
     ``flops_per_second`` is the sustained rate (peak × achieved utilisation). Activation memory per block
     and sequence is ``s·h·(34 + 5·a·s/h)`` bytes in half precision (Korthikanti et al. 2022) with ``a = h/128``
-    heads; with ``recompute`` only the block input (``2·s·h`` bytes) is kept.
+    heads; with ``recompute`` only the block input (``2·s·h`` bytes) is kept (the full amount is still
+    recorded as ``activation_bytes``, what a recomputed forward holds for a moment). ``flash_attention``
+    drops the ``5·a·s/h`` term (the attention scores, softmax and dropout mask, which FlashAttention does
+    not store), leaving ``34·s·h`` bytes per block and sequence.
     """
     s, h, b, v = sequence, hidden, microbatch_size, vocab
     heads = max(1, h // 128)
     block_flops = b * (24 * s * h * h + 4 * s * s * h)
     block_params = 12 * h * h + 13 * h
-    saved = 2 * s * h * b if recompute else int(b * s * h * (34 + 5 * heads * s / h))
+    full = int(b * s * h * (34 + (0 if flash_attention else 5 * heads * s / h)))
+    saved = 2 * s * h * b if recompute else full
     boundary = bytes_per_value * b * s * h
     extra = block_flops / flops_per_second if recompute else 0.0  # one more forward in backward
     block = LayerCost(block_flops / flops_per_second, 2 * block_flops / flops_per_second + extra,
-                      block_params * bytes_per_value, boundary, saved)  # fmt: skip
+                      block_params * bytes_per_value, boundary, saved, full)  # fmt: skip
     embed = LayerCost(0.0, 0.0, (v + s) * h * bytes_per_value, boundary, boundary)
     head_flops = 2 * b * s * h * v
     head = LayerCost(head_flops / flops_per_second, 2 * head_flops / flops_per_second, v * h * bytes_per_value,
                      b * s * v * 4, b * s * v * 4 + boundary)  # fmt: skip
-    return ModelProfile((embed, *([block] * num_layers), head), microbatch_size=b, name=name)
+    return ModelProfile((embed, *([block] * num_layers), head), microbatch_size=b, name=name, recompute=recompute)
 
 
 def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[LayerCost]:
@@ -137,6 +154,7 @@ def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[Laye
                 param_bytes=sum(layer.param_bytes for layer in run),
                 output_bytes=run[-1].output_bytes,
                 saved_bytes=sum(layer.saved_bytes for layer in run),
+                activation_bytes=sum(layer.full_activation_bytes for layer in run),
             )
         )
         start += count

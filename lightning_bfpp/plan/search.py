@@ -5,24 +5,39 @@ per-replica batch into ``m`` micro-batches, every ``v`` with ``p·v`` at most th
 schedule (and, for depth-first, every valid group size ``N``), sharding and mesh order, the configuration
 is either marked infeasible with the reason, or simulated (:mod:`lightning_bfpp.plan.simulate`). Feasible
 configurations are ranked by predicted step time: the global batch is fixed, so that is throughput.
+
+Besides the runtime's activation-pipeline schedules and shardings, the default space holds
+``sharding="hybrid_shard"`` (shard inside a node, replicate across nodes; left out where a configuration's
+data-parallel group lies inside one node, where it is ``full_shard``, unless ``full_shard`` is not a
+candidate) and ``schedule="weight_passing"`` (:mod:`~lightning_bfpp.plan.weight_passing`: one candidate per
+micro-batch split, at ``pipeline_parallel_size=1``, ``data_parallel_size`` = ``stages_per_rank`` = every
+device, whatever the space's stages per rank, shardings and mesh orders; infeasible where there are more
+devices than layers or the nodes are not full). ``hybrid_shard`` is infeasible where the strategy refuses it:
+data-parallel ranks spread unevenly over nodes, or one per node. Weight passing's node stagger, which the
+runtime does not implement, is searched only when ``weight_passing_stagger`` asks for it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from lightning_bfpp.config import SHARDINGS
-from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster
+from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.simulate import PlanConfig, Prediction, simulate
+from lightning_bfpp.plan.simulate import HYBRID_SHARD, WEIGHT_PASSING, PlanConfig, Prediction, simulate
 from lightning_bfpp.schedule import SCHEDULES
+
+# what the planner models: the activation-pipeline schedules, weight passing, and every sharding
+PLAN_SCHEDULES: tuple[str, ...] = tuple(dict.fromkeys((*SCHEDULES, WEIGHT_PASSING)))
+PLAN_SHARDINGS: tuple[str, ...] = tuple(dict.fromkeys((*SHARDINGS, HYBRID_SHARD)))
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    schedules: tuple[str, ...] = SCHEDULES
-    shardings: tuple[str, ...] = SHARDINGS
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
+    shardings: tuple[str, ...] = PLAN_SHARDINGS
     mesh_orders: tuple[str, ...] = MESH_ORDERS
     pipeline_sizes: tuple[int, ...] | None = None  # None: every divisor of the device count
     stages_per_rank: tuple[int, ...] = (1, 2, 4, 8)
@@ -30,6 +45,8 @@ class SearchSpace:
     # depth-first group sizes: "all" valid N in {p, 2p, 4p, m}, or "pipeline" (N = p, Megatron's default)
     group_sizes: str = "all"
     max_actions_per_rank: int = 4096  # keeps each simulation fast; larger configurations are skipped
+    # weight passing with the node stagger: (False,) the runtime's; (False, True) adds the what-if
+    weight_passing_stagger: tuple[bool, ...] = (False,)
 
 
 @dataclass
@@ -65,9 +82,13 @@ def configurations(
         for m in ms:
             if per_replica % m:
                 continue
+            if p == 1 and WEIGHT_PASSING in space.schedules:
+                for stagger in space.weight_passing_stagger:
+                    config = PlanConfig(WEIGHT_PASSING, 1, dp, dp, m, per_replica // m, stagger=stagger)
+                    yield config, _weight_passing_reason(config, profile, cluster)
             for v in space.stages_per_rank:
                 for schedule in space.schedules:
-                    if schedule in ("gpipe", "1f1b") and v != 1:
+                    if schedule == WEIGHT_PASSING or (schedule in ("gpipe", "1f1b") and v != 1):
                         continue
                     groups: list[int | None] = [None]
                     if schedule == "depth_first":
@@ -76,9 +97,16 @@ def configurations(
                         for sharding in space.shardings:
                             if dp == 1 and sharding != "full_shard":
                                 continue  # without data parallelism the three coincide
-                            for order in mesh_orders:
+                            # without a pipeline or without data parallelism both orders give the same ranks
+                            for order in mesh_orders if p > 1 and dp > 1 else mesh_orders[:1]:
                                 config = PlanConfig(schedule, p, dp, v, m, per_replica // m, sharding, group, order)
-                                yield config, _reason(config, profile, space)
+                                reason = _reason(config, profile, space)
+                                if sharding == HYBRID_SHARD:
+                                    hybrid = _hybrid_reason(cluster, p, dp, order)
+                                    if hybrid == _IN_ONE_NODE and "full_shard" in space.shardings:
+                                        continue  # the data-parallel groups lie in one node: that is full_shard
+                                    reason = reason or hybrid
+                                yield config, reason
 
 
 def _reason(config: PlanConfig, profile: ModelProfile, space: SearchSpace) -> str | None:
@@ -88,6 +116,34 @@ def _reason(config: PlanConfig, profile: ModelProfile, space: SearchSpace) -> st
         return "depth_first needs m ≥ p"
     if 2 * config.stages_per_rank * config.num_microbatches > space.max_actions_per_rank:
         return "too many actions to simulate"
+    return None
+
+
+_IN_ONE_NODE = "hybrid_shard: each data-parallel group lies in one node (nothing to replicate)"
+
+
+def _hybrid_reason(cluster: Cluster, p: int, dp: int, mesh_order: str) -> str | None:
+    """Why ``hybrid_shard`` cannot split the data-parallel groups (as the strategy checks), or None."""
+    per_node: set[int] = set()  # how many ranks of a data-parallel group share a node, over groups and nodes
+    for r in range(p):
+        nodes = Counter(global_rank(r, d, p, dp, mesh_order) // cluster.devices_per_node for d in range(dp))
+        per_node |= set(nodes.values())
+    if len(per_node) > 1:
+        return "hybrid_shard: data-parallel ranks spread unevenly over nodes"
+    (shard,) = per_node
+    if shard == dp:
+        return _IN_ONE_NODE
+    if shard == 1:
+        return "hybrid_shard: one rank of each data-parallel group per node (nothing to shard: no_shard)"
+    return None
+
+
+def _weight_passing_reason(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> str | None:
+    chunks = config.num_stages
+    if cluster.num_devices % cluster.devices_per_node:
+        return f"weight passing needs whole nodes ({cluster.num_devices} devices, {cluster.devices_per_node} per node)"
+    if chunks > profile.num_layers:
+        return f"{chunks} chunks > {profile.num_layers} layers"
     return None
 
 
@@ -146,16 +202,17 @@ def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int
     rejected = [c for c in candidates if c.infeasible is not None][:infeasible]
     for i, c in enumerate([*feasible, *rejected], start=1):
         cfg, pred = c.config, c.prediction
+        passing = cfg.schedule == WEIGHT_PASSING
         cells = [
             str(i) if c.infeasible is None else "–",
-            cfg.schedule,
+            cfg.schedule + (" (staggered)" if passing and cfg.stagger else ""),
             str(cfg.pipeline_parallel_size),
             str(cfg.data_parallel_size),
             str(cfg.stages_per_rank),
             f"{cfg.num_microbatches} × {cfg.microbatch_size}",
             str(cfg.microbatch_group_size or ""),
-            cfg.sharding,
-            cfg.mesh_order,
+            "chunk owners" if passing else cfg.sharding,
+            "" if passing else cfg.mesh_order,
             f"{pred.step_time:.3f}" if pred else "",
             f"{pred.throughput:,.1f}" if pred else "",
             f"{pred.bubble_fraction:.1%}" if pred else "",

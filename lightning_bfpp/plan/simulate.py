@@ -14,6 +14,12 @@ then :func:`~lightning_bfpp.schedule.lower`), rank by rank, with this model of a
   each link;
 - the step ends when every rank's work and the optimizer update are done.
 
+``sharding="hybrid_shard"`` runs ``full_shard``'s action lists with the collectives of
+:mod:`~lightning_bfpp.plan.cluster`'s hybrid model (gathers and reduce-scatters inside a node, an all-reduce
+of each shard across nodes) and holds ``1/n_s`` of a stage's state instead of ``1/dp``.
+``schedule="weight_passing"`` has no activation pipeline; :mod:`lightning_bfpp.plan.weight_passing`
+simulates it.
+
 It returns the step time, the timeline (the same spans as measured traces, so both draw alike), the time
 each rank waited for its neighbours, peak memory per device and the bytes each device moved.
 """
@@ -21,7 +27,9 @@ each rank waited for its neighbours, peak memory per device and the bytes each d
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from lightning_bfpp.partition import balance_by_weight
 from lightning_bfpp.plan.cluster import Cluster, Links, links
@@ -43,6 +51,9 @@ class PlanConfig:
     mesh_order: str = "data_pipeline"
     stage_layer_counts: tuple[int, ...] | None = None
     prefetch_stages: int = 1
+    # weight passing only: nodes start a chunk apart, so rails carry traffic both ways (not implemented by
+    # the runtime; a what-if)
+    stagger: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -52,13 +63,26 @@ class PlanConfig:
     def global_batch(self) -> int:
         return self.data_parallel_size * self.num_microbatches * self.microbatch_size
 
+    @property
+    def weight_passing(self) -> bool:
+        return self.schedule == WEIGHT_PASSING
+
     def describe(self) -> str:
+        if self.weight_passing:
+            return (
+                f"weight_passing{' staggered' if self.stagger else ''} chunks={self.data_parallel_size}"
+                f" m={self.num_microbatches}×{self.microbatch_size}"
+            )
         group = f" N={self.microbatch_group_size}" if self.microbatch_group_size else ""
         return (
             f"{self.schedule}{group} p={self.pipeline_parallel_size} dp={self.data_parallel_size}"
             f" v={self.stages_per_rank} m={self.num_microbatches}×{self.microbatch_size} {self.sharding}"
             f" {self.mesh_order}"
         )
+
+
+WEIGHT_PASSING = "weight_passing"
+HYBRID_SHARD = "hybrid_shard"
 
 
 @dataclass
@@ -69,11 +93,24 @@ class Prediction:
     peak_memory: int
     comm_bytes: int
     spans: list[Span] = field(default_factory=list, repr=False)
+    # bytes per step by kind (e.g. weight passing's cross-node total); empty where not broken down
+    traffic: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def throughput(self) -> float:
         """Samples per second over the whole machine."""
         return self.config.global_batch / self.step_time
+
+
+def balanced_counts(weights: Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """:func:`~lightning_bfpp.partition.balance_by_weight`, remembered: a search asks for the same cut of the
+    same layers for thousands of configurations, and the exact partition is quadratic in the layers."""
+    return _balanced_counts(tuple(weights), num_stages)
+
+
+@lru_cache(maxsize=1024)
+def _balanced_counts(weights: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    return tuple(balance_by_weight(weights, num_stages))
 
 
 class _Rank:
@@ -89,6 +126,10 @@ class _Rank:
 
 def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Prediction:
     """Predict one training step of ``config`` (raises ``ValueError`` if the schedule rejects it)."""
+    if config.weight_passing:
+        from lightning_bfpp.plan.weight_passing import simulate_weight_passing
+
+        return simulate_weight_passing(config, profile, cluster)
     p, dp, v, m = (
         config.pipeline_parallel_size,
         config.data_parallel_size,
@@ -96,11 +137,13 @@ def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Pre
         config.num_microbatches,
     )
     layers = profile.at_microbatch_size(config.microbatch_size)
-    counts = config.stage_layer_counts or balance_by_weight([layer.param_bytes for layer in layers], p * v)
+    counts = config.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
     compute = generate(config.schedule, p, v, m, config.microbatch_group_size)
     # as the runtime does (Pipeline.lowered_schedule): no gather or reduction actions without data parallelism
-    schedule = compute if dp == 1 else lower(compute, config.sharding, m, prefetch=config.prefetch_stages)
+    # hybrid sharding's action lists are full sharding's (FSDP2 reshards after forward in both)
+    lowering = "full_shard" if config.sharding == HYBRID_SHARD else config.sharding
+    schedule = compute if dp == 1 else lower(compute, lowering, m, prefetch=config.prefetch_stages)
     net = links(cluster, p, dp, config.mesh_order)
     return _run(config, schedule, stages, profile, cluster, net)
 
@@ -116,6 +159,13 @@ def _run(
     p, dp, m = config.pipeline_parallel_size, config.data_parallel_size, config.num_microbatches
     num_stages = len(stages)
     sharded = config.sharding != "no_shard"
+    hybrid = config.sharding == HYBRID_SHARD
+    if hybrid:
+        gather_s, reduce_s = net.hybrid_all_gather_s, net.hybrid_reduce_s
+        shard = net.shard_size
+    else:
+        gather_s, reduce_s = net.all_gather_s, net.reduce_scatter_s if sharded else net.all_reduce_s
+        shard = (dp,) * p
     ranks = [_Rank() for _ in range(p)]
     spans: list[Span] = []
     fwd_ready: dict[tuple[int, int], float] = {(0, mb): 0.0 for mb in range(m)}
@@ -160,10 +210,10 @@ def _run(
                 if a.kind is UNSHARD:
                     if sharded:
                         start = max(r.host, r.dp_free)
-                        end = start + net.all_gather_s(rank, cost.param_bytes)
+                        end = start + gather_s(rank, cost.param_bytes)
                         r.dp_free = r.gathered[a.stage] = end
                         spans.append(Span(rank, "gather", start, end, a.stage))
-                        r.comm_bytes += int(cost.param_bytes * (dp - 1) / dp)
+                        r.comm_bytes += int(cost.param_bytes * (shard[rank] - 1) / shard[rank])
                         r.memory.append((start, cost.param_bytes))
                     r.host += overhead
                 elif a.kind is RESHARD:
@@ -200,9 +250,13 @@ def _run(
                 elif a.kind is REDUCE_GRAD:
                     start = max(r.host, r.dp_free)
                     if dp > 1:
-                        reduce = net.reduce_scatter_s if sharded else net.all_reduce_s
-                        end = start + reduce(rank, cost.param_bytes)
-                        r.comm_bytes += int(cost.param_bytes * (dp - 1) / dp * (1 if sharded else 2))
+                        end = start + reduce_s(rank, cost.param_bytes)
+                        if hybrid:
+                            n_s, n_r = shard[rank], net.replicate_size[rank]
+                            moved = (n_s - 1) / n_s + 2 * (n_r - 1) / n_r / n_s
+                        else:
+                            moved = (dp - 1) / dp * (1 if sharded else 2)
+                        r.comm_bytes += int(cost.param_bytes * moved)
                     else:
                         end = start
                     spans.append(Span(rank, "reduce", start, end, a.stage))
@@ -218,7 +272,7 @@ def _run(
 
     pipeline_end = max(max(r.host, r.dp_free) for r in ranks)
     local_bytes = [sum(stages[s].param_bytes for s in range(rank, num_stages, p)) for rank in range(p)]
-    held = [b / dp if sharded else b for b in local_bytes]
+    held = [b / shard[rank] if sharded else b for rank, b in enumerate(local_bytes)]
     optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
     step_time = pipeline_end + optimizer_s + cluster.step_overhead_s
     for rank, r in enumerate(ranks):

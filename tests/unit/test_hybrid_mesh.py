@@ -55,9 +55,8 @@ def test_refused_layouts_name_the_problem_and_the_fix(world, per_node, p, order,
     assert "use sharding='full_shard' or 'no_shard'" in message
 
 
-def test_the_planner_is_refused():
-    with pytest.raises(ValueError, match="does not model sharding='hybrid_shard'"):
-        PipelineConfig(pipeline_parallel_size="auto", sharding="hybrid_shard")
+def test_the_planner_plans_it():  # lightning_bfpp.plan models hybrid sharding (docs/weight-passing.md)
+    assert PipelineConfig(pipeline_parallel_size="auto", sharding="hybrid_shard").sharding == "hybrid_shard"
 
 
 LAYOUTS = [(w, n) for w in (4, 8, 12, 16, 24) for n in (1, 2, 3, 4, 6, 8, 12) if w % n == 0]

@@ -1,0 +1,251 @@
+"""Weight passing (TawPipe's topology-aware weight pipeline) as the planner models it. Pure.
+
+``P = D·S`` devices, ``D`` nodes of ``S``. The model's pipeline layers are cut into ``P`` chunks, balanced as
+the partitioner balances stages (:func:`~lightning_bfpp.partition.balance_by_weight`); chunk ``c`` is owned
+by global rank ``(c mod D)·S + ⌊c/D⌋`` (:func:`chunk_owner`: TawPipe's device-bound storage, so local rank
+``j`` of every node owns chunks ``jD … jD + D − 1``, one per node: rail ``j``). Only the owner keeps the
+chunk's weights in full precision, its gradients and its optimizer state.
+
+Every device runs its own ``N`` micro-batches of ``B`` samples through the whole model, one micro-batch at
+a time: forward chunks ``0 … P−1`` keeping only each chunk's input, then backward ``P−1 … 0``, each
+recomputing the chunk's forward (``compute`` per visit: ``f_c`` forward, ``b_c + f_c`` backward, or
+``b_c`` where the profile's backward already includes the recomputation). The planner's configuration is
+``PlanConfig("weight_passing", pipeline_parallel_size=1, data_parallel_size=P, stages_per_rank=P,
+num_microbatches=N, microbatch_size=B)``, as the strategy lays it out: every device is its own
+data-parallel replica and visits all ``P`` chunks, the stages of its one pipeline rank.
+
+Before each visit the chunk's weights (``Ψ_c`` bytes, the profile's parameter bytes) are fetched, unless
+the previous visit used the same chunk (the last forward chunk serves the first backward, and the backward
+of chunk 0 the next micro-batch's forward). After each backward the chunk's gradient returns to its owner.
+With latency ``λ``, collective overhead ``ω``, ``β_rail`` = :attr:`Cluster.rail_bandwidth` and ``β_intra`` the
+intra-node bandwidth::
+
+    rail_s(c)     = λ + k · Ψ_c / β_rail                          (0 when D = 1)
+                    k = D − 1: the owner sends one copy to each other node, one way at a time (the runtime)
+                    k = 1 with the stagger: node g runs g visits behind node 0, so every node's link sends
+                      and receives one chunk per visit (not implemented by the runtime; optimistic)
+    node_s(c)     = ω + (S − 1) · λ + Ψ_c / β_intra               (0 when S = 1): broadcast, or reduce
+    fetch_s(c)    = rail_s(c) + node_s(c)      owner → its rail peer on each node, then a node broadcast
+    gradient_s(c) = node_s(c) + rail_s(c)      reduce to the owner's rail peer, then the rail to the owner
+
+Timeline: the nodes run in lockstep (without the stagger all visit chunk ``c`` together), so one device's
+timeline is every device's. Transfers run one at a time, in issue order, on a communication stream; the
+fetch for visit ``i + 1`` is issued when visit ``i`` starts (double buffering: one chunk computing, one
+arriving), a gradient when its backward ends; a visit starts when the previous one has ended and its chunk
+has arrived. With the stagger, fetches and gradients get a stream each (the rails carry both directions
+at once) and the last node finishes ``D − 1`` visits after the first (``(D − 1)`` mean visit times more).
+When every fetch and gradient takes longer than a visit computes, the stream never idles but during the
+forwards that must precede a fetch's issue: the step is the sum of the transfers plus that compute.
+
+Bytes per step (:func:`traffic`; ``F`` the bytes fetched per step, with the reuse above):
+
+    F           = N·Ψ − (N − 1)·Ψ_0  +  N·(Ψ − Ψ_{P−1})          forward sweeps + backward sweeps
+    cross-node  = (D − 1) · (F + N·Ψ)  ≈ 3·N·(D − 1)·Ψ             total over all rails
+    broadcast   = F − F(rail j)   received per device of local rank j (≈ 2·N·Ψ·(1 − 1/S))
+    reduced     = N · (Ψ − Ψ(rail j))  sent into node reductions per device (≈ N·Ψ)
+
+Memory per device (:func:`memory`): its own chunk's weights, gradients and optimizer state
+(``Ψ_own · (2 + optimizer_state_ratio)``, as the activation pipelines count held state), two weight buffers
+and two gradient buffers of the largest chunk (one computing, one in flight), the inputs of every chunk of the
+micro-batch in flight, and, during a backward, the chunk's recomputed activations (``activation_bytes``):
+``max_c (Σ_{c' ≤ c} input_c' + act_c)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
+from lightning_bfpp.plan.simulate import PlanConfig, Prediction, balanced_counts
+from lightning_bfpp.timeline import Span
+
+
+def chunk_owner(chunk: int, nodes: int, per_node: int) -> int:
+    """The global rank that owns ``chunk``: ``(c mod D)·S + ⌊c/D⌋``."""
+    return (chunk % nodes) * per_node + chunk // nodes
+
+
+def chunks(profile: ModelProfile, num_chunks: int, microbatch_size: int) -> list[LayerCost]:
+    """The profile's layers at ``microbatch_size``, summed into ``num_chunks`` chunks balanced by weight."""
+    layers = profile.at_microbatch_size(microbatch_size)
+    counts = balanced_counts([layer.param_bytes for layer in layers], num_chunks)
+    return stage_costs(layers, counts)
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int  # D
+    per_node: int  # S
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+    @staticmethod
+    def of(cluster: Cluster) -> Topology:
+        if cluster.num_devices % cluster.devices_per_node:
+            raise ValueError(
+                f"weight passing needs whole nodes: {cluster.num_devices} devices"
+                f" in nodes of {cluster.devices_per_node}"
+            )
+        return Topology(cluster.num_devices // cluster.devices_per_node, cluster.devices_per_node)
+
+
+def rail_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+    """One chunk across the rail: the owner's ``D − 1`` copies one after another, or one with the stagger."""
+    if topology.nodes == 1:
+        return 0.0
+    copies = 1 if stagger else topology.nodes - 1
+    return cluster.latency_s + copies * nbytes / cluster.rail_bandwidth
+
+
+def node_s(nbytes: float, topology: Topology, cluster: Cluster) -> float:
+    """A broadcast (or reduce) of one chunk among the ``S`` devices of a node."""
+    if topology.per_node == 1:
+        return 0.0
+    s = topology.per_node
+    return cluster.collective_overhead_s + (s - 1) * cluster.latency_s + nbytes / cluster.intra_node_bandwidth
+
+
+def fetch_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+    return rail_s(nbytes, topology, cluster, stagger) + node_s(nbytes, topology, cluster)
+
+
+gradient_s = fetch_s  # a node reduce then the rail: the same two legs, the other way
+
+
+def visits(num_chunks: int, num_microbatches: int) -> list[tuple[str, int, int]]:
+    """``(kind, chunk, micro-batch)`` in the order every device runs them."""
+    order = []
+    for mb in range(num_microbatches):
+        order += [("forward", c, mb) for c in range(num_chunks)]
+        order += [("backward", c, mb) for c in reversed(range(num_chunks))]
+    return order
+
+
+def fetched(order: Sequence[tuple[str, int, int]]) -> list[bool]:
+    """Whether each visit fetches its chunk (not when the previous visit used the same one)."""
+    return [i == 0 or order[i][1] != order[i - 1][1] for i in range(len(order))]
+
+
+def traffic(chunk_bytes: Sequence[float], num_microbatches: int, topology: Topology) -> dict[str, float]:
+    """Bytes per step: ``fetched`` (``F``); ``cross_node`` over all rails together; per device, the most any
+    device sends and receives on its ``rail``, receives by node ``broadcast`` and sends into node ``reduce``
+    (the last two zero on one-device nodes)."""
+    p, n, d, s = len(chunk_bytes), num_microbatches, topology.nodes, topology.per_node
+    order = visits(p, n)
+    fetch_count = [0] * p
+    for (_, c, _), needed in zip(order, fetched(order), strict=True):
+        fetch_count[c] += needed
+    total = sum(chunk_bytes)
+    fetched_bytes = sum(k * b for k, b in zip(fetch_count, chunk_bytes, strict=True))
+    rail = 0.0
+    if d > 1:
+        for owner_chunk in range(p):  # a device sends its chunk's copies, receives its rail's, and the gradients
+            peers = [c for c in range(p) if c // d == owner_chunk // d and c != owner_chunk]
+            own = (d - 1) * (fetch_count[owner_chunk] + n) * chunk_bytes[owner_chunk]
+            rail = max(rail, own + sum((fetch_count[c] + n) * chunk_bytes[c] for c in peers))
+    broadcast = reduce = 0.0
+    if s > 1:
+        for j in range(s):
+            sourced = [c for c in range(p) if c // d == j]  # the chunks local rank j sources in its node
+            broadcast = max(broadcast, fetched_bytes - sum(fetch_count[c] * chunk_bytes[c] for c in sourced))
+            reduce = max(reduce, n * (total - sum(chunk_bytes[c] for c in sourced)))
+    return {
+        "fetched": fetched_bytes,
+        "cross_node": (d - 1) * (fetched_bytes + n * total),
+        "rail": rail,
+        "broadcast": broadcast,
+        "reduce": reduce,
+    }
+
+
+def memory(chunk_costs: Sequence[LayerCost], topology: Topology, optimizer_state_ratio: float) -> int:
+    """Peak bytes on the busiest device (see the module docstring)."""
+    p = len(chunk_costs)
+    owned = max(chunk_costs[c].param_bytes for c in range(p))  # each device owns one chunk
+    buffers = 4 * max(cost.param_bytes for cost in chunk_costs)  # two weight and two gradient buffers
+    inputs = 0
+    activations = 0
+    for c, cost in enumerate(chunk_costs):
+        inputs += chunk_costs[c - 1].output_bytes if c else 0
+        activations = max(activations, inputs + cost.full_activation_bytes)
+    return int(owned * (2 + optimizer_state_ratio) + buffers + activations)
+
+
+def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Prediction:
+    """Predict one step of weight passing over the whole cluster (``config.data_parallel_size`` devices)."""
+    topology = Topology.of(cluster)
+    shape = (config.pipeline_parallel_size, config.data_parallel_size, config.stages_per_rank)
+    if shape != (1, topology.devices, topology.devices):
+        raise ValueError(
+            f"weight passing runs on every device with one chunk per device: pipeline_parallel_size=1,"
+            f" data_parallel_size=stages_per_rank={topology.devices}; got (p, dp, v) = {shape}"
+        )
+    p, n = topology.devices, config.num_microbatches
+    if p > profile.num_layers:
+        raise ValueError(
+            f"weight passing cuts the layers into one chunk per device: {p} chunks > {profile.num_layers} layers"
+        )
+    costs = chunks(profile, p, config.microbatch_size)
+    stagger = config.stagger
+    order = visits(p, n)
+    needs = fetched(order)
+    overhead = cluster.action_overhead_s
+    spans: list[Span] = []
+    fetch_free = grad_free = 0.0  # the communication stream(s): one without the stagger
+
+    def issue_fetch(i: int, at: float) -> float:
+        nonlocal fetch_free, grad_free
+        start = max(at, fetch_free)
+        end = start + fetch_s(costs[order[i][1]].param_bytes, topology, cluster, stagger)
+        fetch_free = end
+        if not stagger:
+            grad_free = end
+        spans.append(Span(0, "gather", start, end, order[i][1]))
+        return end
+
+    arrival = {0: issue_fetch(0, 0.0)}
+    end = wait = 0.0
+    for i, (kind, c, mb) in enumerate(order):
+        cost = costs[c]
+        ready = arrival.get(i, 0.0)
+        start = max(end, ready)
+        if ready > end:
+            spans.append(Span(0, "gather_wait", end, ready, c))
+            wait += ready - end
+        if i + 1 < len(order) and needs[i + 1]:
+            arrival[i + 1] = issue_fetch(i + 1, start)
+        recompute = 0.0 if profile.recompute else cost.forward_s
+        compute = cost.forward_s if kind == "forward" else cost.backward_s + recompute
+        end = start + compute + overhead
+        spans.append(Span(0, kind, start, end, c, mb))
+        if kind == "backward":
+            g_start = max(end, grad_free)
+            g_end = g_start + gradient_s(cost.param_bytes, topology, cluster, stagger)
+            grad_free = g_end
+            if not stagger:
+                fetch_free = g_end
+            spans.append(Span(0, "reduce", g_start, g_end, c))
+    pipeline_end = max(end, fetch_free, grad_free)
+    if stagger and topology.nodes > 1:
+        busy = sum(span.duration for span in spans if span.kind in ("forward", "backward"))
+        pipeline_end += (topology.nodes - 1) * busy / len(order)
+    optimizer_s = profile.optimizer_s_per_byte * max(cost.param_bytes for cost in costs)
+    step_time = pipeline_end + optimizer_s + cluster.step_overhead_s
+    if end < pipeline_end:
+        spans.append(Span(0, "step_sync", end, pipeline_end))
+    spans.append(Span(0, "optimizer", pipeline_end, pipeline_end + optimizer_s))
+    moved = traffic([cost.param_bytes for cost in costs], n, topology)
+    per_device = moved["broadcast"] + moved["reduce"] + moved["rail"]
+    return Prediction(
+        config,
+        step_time,
+        wait / step_time,
+        memory(costs, topology, profile.optimizer_state_ratio),
+        int(per_device),
+        spans,
+        moved,
+    )
