@@ -2,6 +2,7 @@
 
     python benchmarks/validate_planner.py               # 4 processes (about 4 minutes)
     python benchmarks/validate_planner.py --devices 8   # 8 processes, incl. sharded MB-sized layers
+    python benchmarks/validate_planner.py --topology    # 2 nodes × 2: weight passing, hybrid sharding, breadth-first
 
 1. Calibrate the machine at that process count as a user would, with ``plan calibrate``
    (``lightning_bfpp.plan.calibrate``): point-to-point and collective costs, and the runtime's own cost per
@@ -55,6 +56,20 @@ CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
 }
 
 
+# --topology: 4 processes as 2 nodes × 2, one global batch of 8 samples, two models of 8 layers
+LONG = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=1 << 18)
+SHORT = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=1 << 19, activation_numel=4096)
+TOPOLOGY = [
+    PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard"),  # a pipeline per node, replicas across nodes
+    PlanConfig("breadth_first", 1, 4, 2, 2, 1, "hybrid_shard"),  # no pipeline: shard in a node, replicate across
+    PlanConfig("weight_passing", 1, 4, 4, 2, 1),  # one chunk per rank, TawPipe's placement and transfers
+]
+TOPOLOGY_MODELS = {
+    "long sequence: 1 MiB activations per sample, 64 KiB weights per layer": LONG,
+    "short sequence: 16 KiB activations per sample, 2 MiB weights per layer": SHORT,
+}
+
+
 def _profile(model: EmulatedModel) -> ModelProfile:
     profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=7)
     return replace(profile, optimizer_state_ratio=0.0)
@@ -63,12 +78,18 @@ def _profile(model: EmulatedModel) -> ModelProfile:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, choices=sorted(CONFIGS), default=4)
+    parser.add_argument(
+        "--topology", action="store_true", help="weight passing against hybrid sharding and breadth-first"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="runs/validate_planner")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.topology:
+        _topology(args.steps, out)
+        return
     cluster, timings = calibrate(args.devices, group_size=2)
     cluster.to_json(out / f"cluster{args.devices}.json")
     print(f"calibrated: {cluster}\nruntime runs: {timings['runtime']}\n")
@@ -86,6 +107,32 @@ def main() -> None:
         print(f"| {config.describe()} | {model.param_bytes / 2**20:.2f} MiB | {1e3 * prediction.step_time:.1f} |"
               f" {1e3 * step:.1f} | {error:+.1%} | {prediction.bubble_fraction:.1%} |", flush=True)  # fmt: skip
     print(f"\n{within} of {len(configs)} configurations within 10%")
+
+
+def _topology(steps: int, out: Path) -> None:
+    """Each model under each of ``TOPOLOGY``'s ways of training, measured one after the other (ratios from this
+    one run) and predicted by the planner for the same 2 nodes of 2 (links calibrated here: loopback both ways)."""
+    cluster, _ = calibrate(4, group_size=2)
+    cluster = replace(cluster, devices_per_node=2)
+    cluster.to_json(out / "cluster_topology.json")
+    print(f"calibrated (as 2 nodes × 2): {cluster}\n")
+    within = total = 0
+    for title, model in TOPOLOGY_MODELS.items():
+        profile = _profile(model)
+        print(f"\n{title}\n")
+        print("| configuration | measured step (ms) | × breadth-first | predicted step (ms) | predicted × | error |")
+        print("|---|---|---|---|---|---|")
+        rows = []
+        for config in TOPOLOGY:
+            predicted = simulate(config, profile, cluster).step_time
+            rows.append((config, run_emulated(config, model, steps, 4, processes_per_node=2), predicted))
+        base_measured, base_predicted = rows[0][1], rows[0][2]
+        for config, step, predicted in rows:
+            error = predicted / step - 1
+            within, total = within + (abs(error) <= 0.10), total + 1
+            print(f"| {config.describe()} | {1e3 * step:.1f} | {step / base_measured:.2f} | {1e3 * predicted:.1f} |"
+                  f" {predicted / base_predicted:.2f} | {error:+.1%} |", flush=True)  # fmt: skip
+    print(f"\n{within} of {total} predictions within 10%")
 
 
 if __name__ == "__main__":

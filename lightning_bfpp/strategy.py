@@ -392,7 +392,8 @@ class BFPPStrategy(ModelParallelStrategy):
             # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
             self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
             if isinstance(self.pipeline.reductions, ChunkTransfers):
-                self.pipeline.reductions.connect(*topology_groups(self.pipeline.reductions.topology))
+                topology = self.pipeline.reductions.topology
+                self.pipeline.reductions.connect(topology_groups(topology), topology_groups(topology))
             self.tied.broadcast_from_owner()
         elif self.pipeline.module is not module:
             raise RuntimeError(
@@ -590,7 +591,7 @@ class BFPPStrategy(ModelParallelStrategy):
             num_microbatches=self.layout.num_microbatches,
             prefetch_stages=self.config.prefetch_stages,
             base_seed=base_seed,
-            reductions=ChunkTransfers(chunks, topology, me, None, None),
+            reductions=ChunkTransfers(chunks, topology, me),
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )
 

@@ -14,9 +14,11 @@ topology:
 Nothing of a chunk's forward is stored but its input: its backward recomputes the forward (with the random
 state the forward had) and then frees the graph, so a rank holds its own chunk, at most ``prefetch + 1``
 fetched chunks and the chunk inputs of one micro-batch. The last chunk's forward keeps its graph, since its
-backward follows at once. Transfers run on one communication thread, in the schedule's order (identical on
-every rank), so a fetch overlaps the computation before it and a reduction the computation after it; the
-main thread waits only where the weights are needed, and for the gradients once, before the optimizer.
+backward follows at once. Fetches run on one communication thread and gradient reductions on another, each
+in the schedule's order (identical on every rank) and on process groups of its own, so a fetch overlaps the
+computation before it and is never queued behind a reduction (which completes only when the slowest rank
+has finished that chunk's backward); the main thread waits only where the weights are needed, and for the
+gradients once, before the optimizer.
 
 Written here, not taken from torch: ``torch.distributed.pipelining`` passes activations between ranks and
 FSDP2 shards every parameter over all ranks (an all-gather of slices); neither moves whole chunks from an
@@ -38,6 +40,8 @@ from torch import nn
 from lightning_bfpp._compat import tree_flatten
 from lightning_bfpp.schedule import Action, Kind
 from lightning_bfpp.topology import NodeTopology
+
+TopologyGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]  # (node group, rail group)
 
 
 class ChunkWeights:
@@ -96,8 +100,9 @@ class ChunkWeights:
 class ChunkTransfers:
     """Fetches chunks to this rank and returns their gradients to the owners, on one communication thread.
 
-    ``chunks[c]`` is this rank's :class:`ChunkWeights` of chunk ``c``. ``node_group`` holds this rank's node,
-    ``rail_group`` its rail (None where the group would be this rank alone). Gradients are averaged over the
+    ``chunks[c]`` is this rank's :class:`ChunkWeights` of chunk ``c``. Groups come from :meth:`connect`: for
+    fetches and for reductions each, this rank's node and its rail (None where a group would be this rank
+    alone). Gradients are averaged over the
     world (each rank's loss is its own micro-batches' mean), like FSDP2's reduce-scatter.
     """
 
@@ -106,15 +111,15 @@ class ChunkTransfers:
         chunks: Sequence[ChunkWeights],
         topology: NodeTopology,
         rank: int,
-        node_group: dist.ProcessGroup | None,
-        rail_group: dist.ProcessGroup | None,
     ) -> None:
         self.chunks = list(chunks)
         self.topology = topology
         self.rank = rank
-        self.node_group = node_group
-        self.rail_group = rail_group
-        self._executor: ThreadPoolExecutor | None = None
+        self.node_group: dist.ProcessGroup | None = None  # the fetches' groups
+        self.rail_group: dist.ProcessGroup | None = None
+        self.reduce_node_group: dist.ProcessGroup | None = None  # the reductions' groups
+        self.reduce_rail_group: dist.ProcessGroup | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}
         self._fetches: dict[int, Future[torch.Tensor]] = {}
         self._resident: set[int] = {c for c, chunk in enumerate(self.chunks) if chunk.owned}
         self._pending: list[Future[None]] = []
@@ -122,14 +127,16 @@ class ChunkTransfers:
 
     # -- the communication thread ------------------------------------------------------------------
 
-    def _submit(self, job: Callable[[], Any]) -> Future[Any]:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="bfpp-weights")
-        return self._executor.submit(job)
+    def _submit(self, thread: str, job: Callable[[], Any]) -> Future[Any]:
+        if thread not in self._executors:
+            self._executors[thread] = ThreadPoolExecutor(1, thread_name_prefix=f"bfpp-{thread}")
+        return self._executors[thread].submit(job)
 
-    def connect(self, node_group: dist.ProcessGroup | None, rail_group: dist.ProcessGroup | None) -> None:
-        """Set the groups (created after setup's agreement, see :func:`topology_groups`)."""
-        self.node_group, self.rail_group = node_group, rail_group
+    def connect(self, fetch_groups: TopologyGroups, reduce_groups: TopologyGroups) -> None:
+        """Set the (node, rail) groups of fetches and of reductions (created after setup's agreement, see
+        :func:`topology_groups`)."""
+        self.node_group, self.rail_group = fetch_groups
+        self.reduce_node_group, self.reduce_rail_group = reduce_groups
 
     def _fetch_job(self, chunk: int) -> torch.Tensor:
         topo, me = self.topology, self.rank
@@ -159,15 +166,15 @@ class ChunkTransfers:
         owner = topo.chunk_owner(chunk)
         owner_node, my_node = topo.node_of(owner), topo.node_of(me)
         gathered_at = owner if my_node == owner_node else topo.rail_member(chunk, my_node)
-        if self.node_group is not None:  # the node's sum, at the rank on the owner's rail
-            dist.reduce(gradient, dst=gathered_at, op=dist.ReduceOp.SUM, group=self.node_group)
+        if self.reduce_node_group is not None:  # the node's sum, at the rank on the owner's rail
+            dist.reduce(gradient, dst=gathered_at, op=dist.ReduceOp.SUM, group=self.reduce_node_group)
         if me == owner:
             received = []
             for node in range(topo.num_nodes):
                 if node != owner_node:
                     buffer = torch.empty_like(gradient)
                     received.append(
-                        (buffer, dist.irecv(buffer, src=topo.rail_member(chunk, node), group=self.rail_group))
+                        (buffer, dist.irecv(buffer, src=topo.rail_member(chunk, node), group=self.reduce_rail_group))
                     )
             for buffer, work in received:
                 work.wait()
@@ -175,7 +182,7 @@ class ChunkTransfers:
             total = self._sums.get(chunk)
             self._sums[chunk] = gradient if total is None else total.add_(gradient)
         elif me == gathered_at and my_node != owner_node:
-            dist.isend(gradient, dst=owner, group=self.rail_group).wait()
+            dist.isend(gradient, dst=owner, group=self.reduce_rail_group).wait()
 
     # -- the schedule's actions (main thread) ------------------------------------------------------
 
@@ -183,7 +190,7 @@ class ChunkTransfers:
         """Start fetching ``chunk`` (every rank takes part, the owner too); no-op if it is here or on its way."""
         if chunk in self._fetches or (chunk in self._resident and not self.chunks[chunk].owned):
             return
-        self._fetches[chunk] = self._submit(lambda: self._fetch_job(chunk))
+        self._fetches[chunk] = self._submit("fetch", lambda: self._fetch_job(chunk))
 
     def ready(self, chunk: int) -> None:
         """Wait until ``chunk``'s weights are here."""
@@ -206,7 +213,7 @@ class ChunkTransfers:
 
     def reduce(self, chunk: int, gradient: torch.Tensor) -> None:
         """Send this micro-batch's gradient of ``chunk`` to its owner (in the background)."""
-        self._pending.append(self._submit(lambda: self._reduce_job(chunk, gradient)))
+        self._pending.append(self._submit("reduce", lambda: self._reduce_job(chunk, gradient)))
 
     def finish(self) -> None:
         """Wait for every transfer issued so far; add the gradients that reached this rank to its chunk's
@@ -232,9 +239,9 @@ class ChunkTransfers:
 
     def close(self) -> None:
         self.finish()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
+        self._executors.clear()
 
 
 def _no_range(name: str) -> Any:
@@ -330,7 +337,7 @@ class WeightPassingRunner:
         chunk_grads: dict[int, torch.Tensor] = {}  # a backward's parameter gradient, until its REDUCE_GRAD
         try:
             for action in self.actions:
-                with self.action_range(str(action)):
+                with self.action_range(f"PP:{action}"):  # torch's range name, which the trace reads
                     c, kind, mb = action.stage, action.kind, action.microbatch
                     if kind is Kind.UNSHARD:
                         self.transfers.fetch(c)
@@ -393,10 +400,11 @@ class WeightPassingRunner:
             self.transfers.release_all()
 
 
-def topology_groups(topology: NodeTopology) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def topology_groups(topology: NodeTopology) -> TopologyGroups:
     """This rank's node group and rail group, None where it would hold this rank alone.
 
-    A collective: every rank creates every group, in the same order.
+    A collective: every rank creates every group, in the same order. Called once for fetches and once for
+    reductions: two threads must not share a group, or ranks could issue their operations in different orders.
     """
     nodes = [list(topology.node_ranks(n)) for n in range(topology.num_nodes)]
     rails = [list(topology.rail_ranks(j)) for j in range(topology.processes_per_node)]

@@ -202,12 +202,22 @@ def fit_runtime_costs(rows: list[dict[str, float]]) -> tuple[float, float]:
     return per_action, per_step
 
 
-def run_emulated(config: PlanConfig, model: EmulatedModel, steps: int, devices: int) -> float:
-    """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s)."""
+def run_emulated(
+    config: PlanConfig, model: EmulatedModel, steps: int, devices: int, processes_per_node: int | None = None
+) -> float:
+    """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s).
+
+    ``processes_per_node`` lays the processes out as nodes of that many (hybrid sharding, weight passing)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
-        job = {"config": asdict(config), "model": asdict(model), "steps": steps, "devices": devices}
+        job = {
+            "config": asdict(config),
+            "model": asdict(model),
+            "steps": steps,
+            "devices": devices,
+            "processes_per_node": processes_per_node,
+        }
         cmd = [sys.executable, "-m", "lightning_bfpp.plan.calibrate", json.dumps(job), str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -234,20 +244,23 @@ def _train_emulated(job: dict[str, object], out: Path) -> None:
         def on_train_end(self, *args: object) -> None:
             starts.append(time.perf_counter())
 
+    weight_passing = config.schedule == "weight_passing"  # sets the layout itself: one chunk per rank
     strategy = BFPPStrategy(
-        pipeline_parallel_size=config.pipeline_parallel_size,
-        stages_per_rank=config.stages_per_rank,
+        pipeline_parallel_size=None if weight_passing else config.pipeline_parallel_size,
+        stages_per_rank="auto" if weight_passing else config.stages_per_rank,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule,
         sharding=config.sharding,
         microbatch_group_size=config.microbatch_group_size,
+        processes_per_node=job.get("processes_per_node"),  # type: ignore[arg-type]
     )
     trainer = L.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=job["devices"], strategy=strategy,
         max_steps=steps, callbacks=[StepTimes()], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps))
+    # every replica gets `steps` full batches (the sampler splits the data set over the replicas)
+    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps * config.data_parallel_size))
     if trainer.global_rank == 0:
         durations = [b - a for a, b in itertools.pairwise(starts)][1:]
         out.write_text(json.dumps({"step_time": statistics.median(durations), "steps": durations}))
