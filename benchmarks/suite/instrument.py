@@ -233,6 +233,7 @@ class StepClock:
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.marks: list[dict[str, Any]] = []
+        self.phases: list[dict[str, Any]] = []
 
     def mark(self) -> None:
         """Call at the start of every step, and once after the last."""
@@ -240,7 +241,12 @@ class StepClock:
             MEMORY.set_baseline()
         if len(self.marks) == self.warmup:
             MEMORY.start_sampling()
-        self.marks.append({"t": time.perf_counter(), **COUNTERS.snapshot()})
+        self.marks.append({"t": time.perf_counter(), "cpu_s": time.process_time(), **COUNTERS.snapshot()})
+
+    def phase(self, name: str) -> None:
+        """Call at a point inside a step: ``"optimizer"`` where its optimizer step starts, ``"end"`` after it."""
+        now, step = time.perf_counter(), len(self.marks) - 1
+        self.phases.append({"step": step, "name": name, "t": now, "collective_s": COUNTERS.collective_s})
 
     def result(self) -> dict[str, Any]:
-        return {"marks": self.marks, "warmup": self.warmup, "memory": MEMORY.result()}
+        return {"marks": self.marks, "phases": self.phases, "warmup": self.warmup, "memory": MEMORY.result()}

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-Kind = Literal["bfpp", "bfpp_hand", "torch", "fsdp", "independent"]
+Kind = Literal["bfpp", "bfpp_hand", "torch", "fsdp", "independent", "collectives"]
 # torch.distributed.pipelining schedule classes the "torch" kind can drive (ScheduleX without the prefix)
 TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", "gpipe", "1f1b")
@@ -61,7 +61,8 @@ class Job:
     ``m`` is micro-batches per step per pipeline replica; for ``fsdp`` (no pipeline) it is the micro-batch-sized
     chunks each rank processes in its one forward, and ``independent`` processes each train on one micro-batch
     per step. ``schedule`` is a lightning_bfpp schedule name for the bfpp kinds and a torch schedule class
-    (``TORCH_SCHEDULES``) for ``torch``.
+    (``TORCH_SCHEDULES``) for ``torch``; ``collectives`` (:mod:`benchmarks.suite.collectives`: bfpp's weight
+    gathers and gradient reductions alone, no compute) issues them ``"waited"`` or ``"async"``.
     """
 
     name: str
@@ -74,7 +75,7 @@ class Job:
     m: int = 1
     dp: int = 1
     schedule: str = "breadth_first"
-    sharding: str = "full_shard"
+    sharding: str = "full_shard"  # bfpp_hand also takes "none": dp replicas that never exchange gradients
     # torch kind with dp > 1: FSDP2's own resharding after each forward (its default) or not (torchtitan's choice
     # under pipelining, where the schedule's UNSHARD / RESHARD actions decide)
     reshard_after_forward: bool = False
@@ -90,6 +91,9 @@ class Job:
     steps: int = 5
     reference: bool = False  # the bfpp row the group's other rows are compared with
     timeout_s: float = 150.0
+    # a folder: the bfpp kind writes its steps' timelines there (BFPPStrategy(trace=...)); the bfpp_hand and torch
+    # kinds return their timed steps' spans in their records instead
+    trace: str = ""
 
     @property
     def global_rows(self) -> int:
@@ -133,7 +137,7 @@ def bound_s(job: Job) -> float | None:
     first micro-batch to come round, ``(m·v + v·(p − m) + m − 1)·(f + b)``. ``v = 1`` gives GPipe's and 1F1B's
     ``(m + p − 1)·(f + b)``. Data parallelism alone has no bubble: a rank's own samples through every layer.
     """
-    if job.model != "emulated" or job.kind == "independent":
+    if job.model != "emulated" or job.kind in ("independent", "collectives"):
         return None
     e = job.emulated
     per_layer = (e.forward_ms + e.backward_ms) / 1e3

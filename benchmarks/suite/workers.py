@@ -15,13 +15,20 @@ same loss and optimizer, and mark their steps with the same :class:`~benchmarks.
 - ``fsdp``: Lightning's ``ModelParallelStrategy`` (FSDP2 per layer, no pipeline), each rank on its share of the
   global batch;
 - ``independent``: processes without any communication, each training the whole model on one micro-batch per
-  step: the machine's capacity for this model, measured in the same run.
+  step: the machine's capacity for this model, measured in the same run;
+- ``collectives``: bfpp's weight gathers and gradient reductions of a step alone (:mod:`benchmarks.suite.collectives`).
+
+With ``Job.trace`` bfpp through Lightning writes its steps' timelines there (``BFPPStrategy(trace=...)``), and the
+hand-driven and torch workers return their timed steps' spans in their records (see :class:`_Spans`).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict
 from threading import Barrier
 from typing import Any
 
@@ -35,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from benchmarks.suite import collectives
 from benchmarks.suite.instrument import MEMORY, StepClock
 from benchmarks.suite.models import ModelParts, lightning_module, model_parts, train_loader
 from benchmarks.suite.spec import SINGLE_STAGE_SCHEDULES, Job
@@ -43,6 +51,7 @@ from lightning_bfpp.partition import balance_by_weight, rank_stages
 from lightning_bfpp.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.schedule import generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
+from lightning_bfpp.trace import StepTracer
 
 CPU = torch.device("cpu")
 
@@ -56,6 +65,7 @@ def run(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
         "fsdp": _fsdp_lightning,
         "bfpp_hand": _bfpp_by_hand,
         "torch": _torch_schedule,
+        "collectives": collectives.run,
     }
     return workers[job.kind](job, rank)
 
@@ -64,7 +74,8 @@ def run(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
 
 
 class _LightningClock(L.Callback):
-    """Marks every step's start and the last step's end (the interval includes the optimizer and data)."""
+    """Marks every step's start, its optimizer step's start and its end, and the last step's end (a step's
+    interval includes the optimizer and the loading of the next batch)."""
 
     def __init__(self, clock: StepClock, total_steps: int) -> None:
         self.clock = clock
@@ -73,7 +84,11 @@ class _LightningClock(L.Callback):
     def on_train_batch_start(self, *args: Any) -> None:
         self.clock.mark()
 
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.clock.phase("optimizer")
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.clock.phase("end")
         if trainer.global_step >= self.total_steps:
             self.clock.mark()
 
@@ -92,6 +107,7 @@ def _bfpp_lightning(job: Job, rank: int) -> dict[str, Any]:
     strategy = BFPPStrategy(
         pipeline_parallel_size=job.p, stages_per_rank=job.v, num_microbatches=job.m, schedule=job.schedule,
         sharding=job.sharding, overlap_reductions=job.overlap_reductions, prefetch_stages=job.prefetch_stages,
+        trace=job.trace or None, trace_steps=job.warmup + job.steps,
     )  # fmt: skip
     trainer = _trainer(job, strategy, clock)
     trainer.fit(lightning_module(job), train_loader(job, job.m * job.microbatch_size, job.dp))
@@ -132,6 +148,32 @@ class _Stages:
         self.last = self.num_stages - 1 in self.indices
 
 
+class _Spans:
+    """The timed steps' spans when ``job.trace``: ``lightning_bfpp.trace.StepTracer`` hooks on torch's runtime.
+
+    The tracer's clock is left unset (no ``start_step``, whose barrier would line the ranks up and change the
+    timing): its times are then ``time.perf_counter()``, the monotonic clock every process of the machine
+    shares, and the step marks use it too.
+    """
+
+    def __init__(self, job: Job, rank: int) -> None:
+        self.tracer = StepTracer(rank, CPU) if job.trace else None
+        self.warmup = job.warmup
+
+    def recording(self, step: int, schedule: Any) -> AbstractContextManager[None]:
+        traced = self.tracer is not None and step >= self.warmup
+        return self.tracer.recording(schedule) if traced else nullcontext()  # type: ignore[union-attr]
+
+    def optimizer(self, step: int, start: float) -> None:
+        if self.tracer is not None and step >= self.warmup:
+            self.tracer.add("optimizer", start, self.tracer.now())
+
+    def result(self, record: dict[str, Any]) -> dict[str, Any]:
+        if self.tracer is not None:
+            record["spans"] = [asdict(span) for span in self.tracer.spans]
+        return record
+
+
 def _batches(job: Job, parts: ModelParts, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rows = job.m * job.microbatch_size
     return [parts.make_batch(rows, seed=1000 * step + replica) for step in range(job.warmup + job.steps)]
@@ -140,7 +182,9 @@ def _batches(job: Job, parts: ModelParts, replica: int) -> list[tuple[torch.Tens
 def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
     parts = model_parts(job)
     here = _Stages(job, parts, rank)
-    modules = [shard_stage(module, here.mesh[DATA_PARALLEL], job.sharding) for module in here.modules]
+    exchange = job.dp > 1 and job.sharding != "none"  # "none": replicas that never exchange gradients
+    mesh = here.mesh[DATA_PARALLEL]
+    modules = [shard_stage(module, mesh, job.sharding) if exchange else module for module in here.modules]
     compute = generate(job.schedule, job.p, job.v, job.m)
     validate(compute, job.p, job.v, job.m)
 
@@ -150,24 +194,29 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
     stages = build_stages(modules, here.indices, here.num_stages, CPU, here.mesh[PIPELINE_PARALLEL].get_group())
     schedule = PlannedSchedule(
         stages,
-        compute if job.dp == 1 else lower(compute, job.sharding, job.m),  # as Pipeline.lowered_schedule does
+        lower(compute, job.sharding, job.m) if exchange else compute,  # as Pipeline.lowered_schedule does
         job.m,
         loss_fn,
         pipeline_parallel_size=job.p,
         backward=True,
     )
     optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
-    clock = StepClock(job.warmup)
-    for inputs, targets in _batches(job, parts, here.data_parallel_rank):
+    clock, spans = StepClock(job.warmup), _Spans(job, rank)
+    for step, (inputs, targets) in enumerate(_batches(job, parts, here.data_parallel_rank)):
         clock.mark()
         args = [(x,) for x in inputs.chunk(job.m)] if here.first else None
         kwargs: list[dict[str, Any]] | None = [{} for _ in range(job.m)] if here.first else None
-        schedule.run(args, kwargs, list(targets.chunk(job.m)))
+        with spans.recording(step, schedule):
+            schedule.run(args, kwargs, list(targets.chunk(job.m)))
+        start = time.perf_counter()
+        clock.phase("optimizer")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        clock.phase("end")
+        spans.optimizer(step, start)
     clock.mark()
     _finish()
-    return clock.result()
+    return spans.result(clock.result())
 
 
 def _torch_schedule(job: Job, rank: int) -> dict[str, Any]:
@@ -188,16 +237,21 @@ def _torch_schedule(job: Job, rank: int) -> dict[str, Any]:
     else:
         schedule = schedule_class(stages, n_microbatches=job.m, loss_fn=parts.loss)
     optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
-    clock = StepClock(job.warmup)
-    for inputs, targets in _batches(job, parts, here.data_parallel_rank):
+    clock, spans = StepClock(job.warmup), _Spans(job, rank)
+    for step, (inputs, targets) in enumerate(_batches(job, parts, here.data_parallel_rank)):
         clock.mark()
         args = (inputs,) if here.first else ()
-        schedule.step(*args, target=targets if here.last else None)
+        with spans.recording(step, schedule):
+            schedule.step(*args, target=targets if here.last else None)
+        start = time.perf_counter()
+        clock.phase("optimizer")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        clock.phase("end")
+        spans.optimizer(step, start)
     clock.mark()
     _finish()
-    return clock.result()
+    return spans.result(clock.result())
 
 
 def _independent(job: Job, barrier: Barrier | None) -> dict[str, Any]:
