@@ -244,7 +244,7 @@ class StepClock:
         self.marks.append({"t": time.perf_counter(), "cpu_s": time.process_time(), **COUNTERS.snapshot()})
 
     def phase(self, name: str) -> None:
-        """Call at a point inside a step: ``"optimizer"`` where its optimizer step starts, ``"end"`` after it."""
+        """Call at a named point inside a step (e.g. ``"optimizer"`` where its optimizer step starts)."""
         now, step = time.perf_counter(), len(self.marks) - 1
         self.phases.append({"step": step, "name": name, "t": now, "collective_s": COUNTERS.collective_s})
 

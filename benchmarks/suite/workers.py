@@ -74,8 +74,9 @@ def run(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
 
 
 class _LightningClock(L.Callback):
-    """Marks every step's start, its optimizer step's start and its end, and the last step's end (a step's
-    interval includes the optimizer and the loading of the next batch)."""
+    """Marks every step's start and the last step's end (a step's interval includes the optimizer and the loading
+    of the next batch), and the hooks between: ``BFPPStrategy.training_step`` calls ``on_before_zero_grad`` before
+    its pipeline runs and ``on_after_backward`` after it, before the step's logged-value sync."""
 
     def __init__(self, clock: StepClock, total_steps: int) -> None:
         self.clock = clock
@@ -83,6 +84,12 @@ class _LightningClock(L.Callback):
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.clock.mark()
+
+    def on_before_zero_grad(self, *args: Any) -> None:
+        self.clock.phase("zero_grad")
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.clock.phase("after_backward")
 
     def on_before_optimizer_step(self, *args: Any) -> None:
         self.clock.phase("optimizer")
