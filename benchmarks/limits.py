@@ -1,7 +1,8 @@
 """What this machine allows the suite's targets (a) and (b), and the nearest points where they are met.
 
     python -m benchmarks.limits --quick     # every section, fewer points, one round: about 6 minutes on 2 cores
-    python -m benchmarks.limits --full      # every point, three interleaved rounds: about 35 minutes
+    python -m benchmarks.limits --full      # every point, three interleaved rounds: about 45 minutes
+    python -m benchmarks.limits --full --only shard/2M/f60,shard/2M/f80 --merge   # add rows to the last run
 
 A launch during which other processes kept the cores busy is run again once the machine is quiet (``--retries``,
 ``--wait``), which makes a run on a shared machine longer.
@@ -89,17 +90,19 @@ class Points:
     shard_sizes: tuple[int, ...]  # parameters per layer at 5 ms, section 2
     shard_ms: tuple[float, ...]  # forward ms per layer at (b)'s 2M parameters, section 2
     shard_ms_impls: tuple[str, ...]  # the implementations measured at those layer times
+    far_ms: tuple[float, ...]  # layer times past (b)'s 7% crossing, measured for bfpp and no-dp only (long steps)
     rounds: int
     warmup: int
     steps: int
 
 
-QUICK = Points((0, 5, 20), (62_500, 250_000, 500_000, 1_000_000, B_SIZE), (0, 10, 20), ("bfpp", "nodp"), 1, 2, 4)
+QUICK = Points((0, 5, 20), (62_500, 250_000, 500_000, 1_000_000, B_SIZE), (0, 10, 20), ("bfpp", "nodp"), (), 1, 2, 4)
 FULL = Points(
     (0, 5, 10, 20, 40),
     (62_500, 125_000, 250_000, 500_000, 1_000_000, B_SIZE),
     (0, 10, 20, 40),
     ("bfpp", "nodp", "LoopedBFS", "LoopedBFS_reshard"),
+    (60, 80),
     3,
     2,
     5,
@@ -171,6 +174,8 @@ def jobs(points: Points) -> list[Job]:
     for forward_ms in points.shard_ms:
         extra = ("hand_none",) if forward_ms == 0 else ()
         listed += [shard_job(B_SIZE, forward_ms, impl) for impl in points.shard_ms_impls + extra]
+    for forward_ms in points.far_ms:
+        listed += [shard_job(B_SIZE, forward_ms, impl) for impl in ("bfpp", "nodp")]
     listed += [
         Job("machine/two_after", label="two independent processes (after)", processes=2, **capacity),
         Job("machine/one_after", label="one process (after)", processes=1, **capacity),
@@ -725,7 +730,8 @@ def sweep_section(measured: dict[str, Measured], points: Points) -> tuple[list[s
         "|---|---|---|---|---|---|---|---|---|",
     ]
     data: dict[str, Any] = {}
-    grid = [(size, 5.0) for size in points.shard_sizes] + [(B_SIZE, f) for f in points.shard_ms if f != 5.0]
+    grid = [(size, 5.0) for size in points.shard_sizes]
+    grid += [(B_SIZE, f) for f in points.shard_ms + points.far_ms if f != 5.0]
     for size, forward_ms in sorted(set(grid), key=lambda p: (p[1] != 5.0, p[1], p[0])):
         at = {impl: measured.get(shard_name(size, forward_ms, impl)) for impl in SHARD_IMPLS}
         nodp, dp, lbfs, lbfs_r = at["nodp"], at["bfpp"], at["LoopedBFS"], at["LoopedBFS_reshard"]
@@ -935,6 +941,10 @@ def main() -> None:
     mode.add_argument("--full", action="store_true", help="every point, three interleaved rounds")
     mode.add_argument("--report", action="store_true", help=f"only write the report again from {RUN_FILE}")
     parser.add_argument("--only", help="comma-separated job-name prefixes, e.g. 'host/p4,trace' (a partial run)")
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="with --only: add the selected jobs' launches to the last run of the same mode and report both",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="where limits.md/json go (default: docs/benchmarks)")
     parser.add_argument("--retries", type=int, default=2, help="reruns of a launch other work disturbed (default 2)")
     parser.add_argument(
@@ -943,6 +953,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         run = json.loads(RUN_FILE.read_text())
+    elif args.merge:
+        run = json.loads(RUN_FILE.read_text())
+        if not args.only or run["full"] != bool(args.full):
+            parser.error("--merge adds --only's jobs to the last run of the same mode (--quick or --full)")
+        added = measure(args)
+        run["attempts"].update(added["attempts"])
+        run.setdefault("merged", []).append({k: added[k] for k in ("command", "date", "elapsed_s", "machine")})
+        RUN_FILE.write_text(json.dumps(run))
     else:
         run = measure(args)
         RUN_FILE.parent.mkdir(parents=True, exist_ok=True)
@@ -1019,6 +1037,11 @@ def write_report(run: dict[str, Any], out: Path) -> None:
         f" one run ({points.rounds} round{'s' if points.rounds > 1 else ''} of {points.steps} timed steps after"
         f" {points.warmup} warm-up steps per job; medians over steps and launches, min–max in brackets). Raw"
         f" records, Chrome traces and PNG timelines: `{RAW.relative_to(REPO)}`.",
+        *[
+            f"Added to it by `{m['command']}` on {m['date']} ({m['elapsed_s'] / 60:.1f} minutes; load average"
+            f" {_loads(m['machine']['load_start'])} at its start): the rows it measured."
+            for m in run.get("merged", [])
+        ],
         "",
         "## The machine",
         "",

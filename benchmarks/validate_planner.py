@@ -6,7 +6,7 @@
 
 1. Calibrate the machine at that process count as a user would, with ``plan calibrate``
    (``lightning_bfpp.plan.calibrate``): point-to-point and collective costs, and the runtime's own cost per
-   schedule action and per step (from two runs of 1 ms layers, not among the configurations compared).
+   schedule action and per step (from two runs of 5 ms layers, not among the configurations compared).
 2. Profile the emulated model layer by layer (``lightning_bfpp.plan.profile``): the planner sees measured
    times, including how long a 10 ms sleep really takes.
 3. For each configuration, train a few steps with ``BFPPStrategy``, take the median step time after the
@@ -71,7 +71,7 @@ TOPOLOGY_MODELS = {
 
 
 def _profile(model: EmulatedModel) -> ModelProfile:
-    profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=7)
+    profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=15)
     return replace(profile, optimizer_state_ratio=0.0)
 
 

@@ -3,15 +3,24 @@
 ``python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json`` measures, at that many processes
 (gloo on CPU, NCCL on GPUs):
 
-- **links**: ping-pong transfers between two processes, and all-gathers and reduce-scatters within a group of
-  ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed + bytes /
-  bandwidth``; the other processes stay idle, as most ranks' links are during a real step. One machine only
-  shows its intra-node links; the inter-node bandwidth is written equal to them unless given;
-- **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 1 and
-  2 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes, twice, with 4× more schedule actions per
+- **links**: ping-pong transfers between two processes, and all-gathers, reduce-scatters and all-reduces within
+  a group of ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed +
+  bytes / bandwidth`` (the reductions' bandwidths as ratios to the all-gathers'); the other processes stay
+  idle, as most ranks' links are during a real step. One machine only shows its intra-node links; the
+  inter-node bandwidth is written equal to them unless given;
+- **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 5 and
+  10 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes, twice, with 4× more schedule actions per
   rank the second time. What the two step times have beyond the simulated ones gives the host cost per
   schedule action and per step (Python, the step's collective, Lightning's loop), which grow with the
-  process count and are what the simulation would otherwise miss on small layers.
+  process count and are what the simulation would otherwise miss on small layers. The layers are long
+  enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
+  layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
+  for the cores (180 ms per step instead of about 10).
+
+Every process runs one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets by default): several
+processes sharing a few cores, each with a thread per core, make any host-side op on an activation spin
+against the others, a cost of milliseconds per MiB that a GPU's host never pays and that moved the
+emulated runs' steps by up to a quarter at 1 MiB activations.
 
 The result is a :class:`~lightning_bfpp.plan.cluster.Cluster`.
 """
@@ -38,9 +47,9 @@ from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.emulated import EmulatedModel
 from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
-# the runtime calibration's model: layers short against the runtime's costs, sleeping so processes share the
-# cores as they do in a real step on accelerators
-RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=1.0, backward_ms=2.0, param_numel=16_384, activation_numel=4096)
+# the runtime calibration's model: sleeping layers, long enough that the processes' host work does not saturate
+# a few shared cores (the host waits on the device, as on accelerators), short enough for a quick run
+RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -73,13 +82,14 @@ def _time(fn, repeats: int, cuda: bool) -> float:  # type: ignore[no-untyped-def
 
 def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # as the training processes (run_emulated): gloo's CPU work is not oversubscribed
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     group = dist.new_group(list(range(group_size)))
-    p2p, gather, reduce = [], [], []
+    p2p, gather, reduce, all_reduced = [], [], [], []
     for nbytes in SIZES:
         buf = torch.zeros(nbytes // 4, device=device)
 
@@ -103,10 +113,16 @@ def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size
             if rank < group_size:
                 dist.reduce_scatter_tensor(shard, full, group=group)
 
+        def all_reduce(full: torch.Tensor = full) -> None:
+            if rank < group_size:
+                dist.all_reduce(full, group=group)
+
         gather.append((full.numel() * 4, _time(all_gather, repeats, cuda)))
         reduce.append((full.numel() * 4, _time(reduce_scatter, repeats, cuda)))
+        all_reduced.append((full.numel() * 4, _time(all_reduce, repeats, cuda)))
     if rank == 0:
-        Path(out).write_text(json.dumps({"p2p": p2p, "all_gather": gather, "reduce_scatter": reduce}))
+        timings = {"p2p": p2p, "all_gather": gather, "reduce_scatter": reduce, "all_reduce": all_reduced}
+        Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
 
 
@@ -130,10 +146,13 @@ def calibrate(
         mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size), nprocs=devices)
         timings = json.loads(Path(out).read_text())
     latency, p2p_bw = _fit([(b, t) for b, t in timings["p2p"]])
-    # ring collective of B bytes over n ranks: fixed + (n−1)/n · B / bandwidth (all-gather and reduce-scatter)
+    # ring collectives of B bytes over n ranks: fixed + (n−1)/n · B / bandwidth (all-gather, reduce-scatter),
+    # fixed + 2·(n−1)/n · B / bandwidth (all-reduce); each fitted on its own (gloo sums on the host: its
+    # reduce-scatters take about twice an all-gather's time), the per-call cost from the all-gathers
     n = group_size
-    points = [((n - 1) / n * b, t) for key in ("all_gather", "reduce_scatter") for b, t in timings[key]]
-    fixed, bandwidth = _fit(points)
+    fixed, bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["all_gather"]])
+    _, reduce_bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["reduce_scatter"]])
+    _, all_reduce_bandwidth = _fit([(2 * (n - 1) / n * b, t) for b, t in timings["all_reduce"]])
     if memory_bytes is None:
         memory_bytes = (
             torch.cuda.get_device_properties(0).total_memory
@@ -149,6 +168,8 @@ def calibrate(
         latency_s=latency,
         p2p_bandwidth_ratio=p2p_bw / bandwidth,
         collective_overhead_s=max(fixed - (n - 1) * latency, 0.0),
+        reduce_bandwidth_ratio=reduce_bandwidth / bandwidth,
+        all_reduce_bandwidth_ratio=all_reduce_bandwidth / bandwidth,
     )
     if runtime:
         cluster, costs = measure_runtime(devices, cluster)
@@ -169,7 +190,7 @@ def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
     )
 
 
-def measure_runtime(devices: int, links: Cluster, steps: int = 6) -> tuple[Cluster, list[dict[str, float]]]:
+def measure_runtime(devices: int, links: Cluster, steps: int = 12) -> tuple[Cluster, list[dict[str, float]]]:
     """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
 
     Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own; its median step
@@ -209,6 +230,10 @@ def run_emulated(
 
     ``processes_per_node`` lays the processes out as nodes of that many (hybrid sharding, weight passing)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # one intra-op thread per process, as torchrun sets: with the default (every core per process) a host-side
+    # op on an activation (the emulated layer's add, a loss) spins all processes' threads against each other
+    # and costs milliseconds per MiB, which an accelerator's host never pays
+    env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
         job = {

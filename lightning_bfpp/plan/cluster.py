@@ -64,6 +64,11 @@ class Cluster:
     # bytes/s one device moves across nodes while its node's other devices do not (weight passing's rail
     # transfers); None: inter_node_bandwidth (one NIC per device, no more for one device than for all)
     inter_node_rail_bandwidth: float | None = None
+    # a reduce-scatter's and an all-reduce's bus bandwidth relative to an all-gather's on the same link: below 1
+    # where the summation is host work (gloo on CPU, about 0.5 for reduce-scatters); ``plan calibrate`` measures
+    # all three
+    reduce_bandwidth_ratio: float = 1.0
+    all_reduce_bandwidth_ratio: float = 1.0
 
     @property
     def num_nodes(self) -> int:
@@ -114,6 +119,8 @@ class Links:
     replicate_size: tuple[int, ...] = ()
     intra_node_bandwidth: float = 0.0
     inter_node_bandwidth: float = 0.0
+    reduce_bandwidth_ratio: float = 1.0
+    all_reduce_bandwidth_ratio: float = 1.0
 
     def p2p_s(self, src_rank: int, nbytes: int) -> float:
         return self.latency_s + nbytes / self.p2p_bandwidth[src_rank]
@@ -124,13 +131,22 @@ class Links:
             return 0.0
         return self.collective_overhead_s + (n - 1) * self.latency_s + (n - 1) / n * nbytes / bandwidth
 
+    def ring_all_reduce_s(self, n: int, nbytes: float, bandwidth: float) -> float:
+        """An all-reduce of ``nbytes`` over ``n`` ranks: a reduce-scatter and an all-gather's steps and bytes,
+        one call's overhead, at the all-reduce's own bandwidth."""
+        if n <= 1:
+            return 0.0
+        bandwidth *= self.all_reduce_bandwidth_ratio
+        return self.collective_overhead_s + 2 * (n - 1) * self.latency_s + 2 * (n - 1) / n * nbytes / bandwidth
+
     def all_gather_s(self, rank: int, nbytes: int) -> float:
         return self.ring_s(self.dp, nbytes, self.data_parallel_bandwidth[rank])
 
-    reduce_scatter_s = all_gather_s
+    def reduce_scatter_s(self, rank: int, nbytes: int) -> float:
+        return self.ring_s(self.dp, nbytes, self.data_parallel_bandwidth[rank] * self.reduce_bandwidth_ratio)
 
     def all_reduce_s(self, rank: int, nbytes: int) -> float:
-        return 2 * self.all_gather_s(rank, nbytes)
+        return self.ring_all_reduce_s(self.dp, nbytes, self.data_parallel_bandwidth[rank])
 
     def hybrid_all_gather_s(self, rank: int, nbytes: int) -> float:
         """``hybrid_shard``: gather a stage inside the node."""
@@ -139,8 +155,8 @@ class Links:
     def hybrid_reduce_s(self, rank: int, nbytes: int) -> float:
         """``hybrid_shard``: reduce-scatter inside the node, then all-reduce each shard across nodes."""
         n_s, n_r = self.shard_size[rank], self.replicate_size[rank]
-        inside = self.ring_s(n_s, nbytes, self.intra_node_bandwidth)
-        return inside + 2 * self.ring_s(n_r, nbytes / n_s, self.inter_node_bandwidth)
+        inside = self.ring_s(n_s, nbytes, self.intra_node_bandwidth * self.reduce_bandwidth_ratio)
+        return inside + self.ring_all_reduce_s(n_r, nbytes / n_s, self.inter_node_bandwidth)
 
 
 def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
@@ -162,6 +178,8 @@ def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
         replicate,
         cluster.intra_node_bandwidth,
         cluster.inter_node_bandwidth,
+        cluster.reduce_bandwidth_ratio,
+        cluster.all_reduce_bandwidth_ratio,
     )
 
 

@@ -12,6 +12,8 @@ then :func:`~lightning_bfpp.schedule.lower`), rank by rank, with this model of a
   strategy's overlapped reductions do (the default on CUDA);
 - activations and gradients travel point-to-point when produced, one message at a time per direction of
   each link;
+- the step's own host work (``Cluster.step_overhead_s``) precedes the first compute, with the first stage's
+  gather running beside it (the runtime issues it before the step's preparation);
 - the step ends when every rank's work and the optimizer update are done.
 
 ``sharding="hybrid_shard"`` runs ``full_shard``'s action lists with the collectives of
@@ -198,6 +200,12 @@ def _run(
             spans.append(Span(rank, "gather_wait", max(r.host, ready), gather_end, stage))
         return start
 
+    # the step's host work (Lightning's loop, splitting the batch, capturing the input: ``step_overhead_s``)
+    # comes before the first compute; the first stage's gather is issued before it and runs beside it, as the
+    # runtime prefetches it (Pipeline._prefetch_first_stage)
+    prefetched = sharded and dp > 1 and config.prefetch_stages > 0
+    for r in ranks:
+        r.host = cluster.step_overhead_s
     remaining = sum(len(actions) for actions in schedule.values())
     while remaining:
         progressed = False
@@ -209,7 +217,7 @@ def _run(
                 cost = stages[a.stage]
                 if a.kind is UNSHARD:
                     if sharded:
-                        start = max(r.host, r.dp_free)
+                        start = r.dp_free if prefetched and not r.gathered else max(r.host, r.dp_free)
                         end = start + gather_s(rank, cost.param_bytes)
                         r.dp_free = r.gathered[a.stage] = end
                         spans.append(Span(rank, "gather", start, end, a.stage))
@@ -274,7 +282,7 @@ def _run(
     local_bytes = [sum(stages[s].param_bytes for s in range(rank, num_stages, p)) for rank in range(p)]
     held = [b / shard[rank] if sharded else b for rank, b in enumerate(local_bytes)]
     optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
-    step_time = pipeline_end + optimizer_s + cluster.step_overhead_s
+    step_time = pipeline_end + optimizer_s
     for rank, r in enumerate(ranks):
         end = max(r.host, r.dp_free)
         if end < pipeline_end:

@@ -7,9 +7,10 @@ by global rank ``(c mod D)·S + ⌊c/D⌋`` (:func:`chunk_owner`: TawPipe's devi
 chunk's weights in full precision, its gradients and its optimizer state.
 
 Every device runs its own ``N`` micro-batches of ``B`` samples through the whole model, one micro-batch at
-a time: forward chunks ``0 … P−1`` keeping only each chunk's input, then backward ``P−1 … 0``, each
-recomputing the chunk's forward (``compute`` per visit: ``f_c`` forward, ``b_c + f_c`` backward, or
-``b_c`` where the profile's backward already includes the recomputation). The planner's configuration is
+a time: forward chunks ``0 … P−2`` keeping only each chunk's input and ``P−1`` keeping its graph, then
+backward ``P−1 … 0``, each but the last chunk recomputing the chunk's forward (``compute`` per visit:
+``f_c`` forward, ``b_c + f_c`` backward (``b_{P−1}`` for the last chunk), or ``b_c`` where the profile's
+backward already includes the recomputation). The planner's configuration is
 ``PlanConfig("weight_passing", pipeline_parallel_size=1, data_parallel_size=P, stages_per_rank=P,
 num_microbatches=N, microbatch_size=B)``, as the strategy lays it out: every device is its own
 data-parallel replica and visits all ``P`` chunks, the stages of its one pipeline rank.
@@ -25,17 +26,17 @@ intra-node bandwidth::
                     k = 1 with the stagger: node g runs g visits behind node 0, so every node's link sends
                       and receives one chunk per visit (not implemented by the runtime; optimistic)
     node_s(c)     = ω + (S − 1) · λ + Ψ_c / β_intra               (0 when S = 1): broadcast, or reduce
+                    (a reduce at β_intra · Cluster.reduce_bandwidth_ratio)
     fetch_s(c)    = rail_s(c) + node_s(c)      owner → its rail peer on each node, then a node broadcast
     gradient_s(c) = node_s(c) + rail_s(c)      reduce to the owner's rail peer, then the rail to the owner
 
 Timeline: the nodes run in lockstep (without the stagger all visit chunk ``c`` together), so one device's
-timeline is every device's. Transfers run one at a time, in issue order, on a communication stream; the
-fetch for visit ``i + 1`` is issued when visit ``i`` starts (double buffering: one chunk computing, one
-arriving), a gradient when its backward ends; a visit starts when the previous one has ended and its chunk
-has arrived. With the stagger, fetches and gradients get a stream each (the rails carry both directions
-at once) and the last node finishes ``D − 1`` visits after the first (``(D − 1)`` mean visit times more).
-When every fetch and gradient takes longer than a visit computes, the stream never idles but during the
-forwards that must precede a fetch's issue: the step is the sum of the transfers plus that compute.
+timeline is every device's. Fetches and gradients run on a stream each, as the runtime's two communication
+threads do (on process groups of their own; a rail carries a fetch one way and a gradient the other at
+once), each one transfer at a time in issue order; the fetch for visit ``i + 1`` is issued when visit ``i``
+starts (double buffering: one chunk computing, one arriving), a gradient when its backward ends; a visit
+starts when the previous one has ended and its chunk has arrived. With the stagger the last node finishes
+``D − 1`` visits after the first (``(D − 1)`` mean visit times more).
 
 Bytes per step (:func:`traffic`; ``F`` the bytes fetched per step, with the reuse above):
 
@@ -101,19 +102,23 @@ def rail_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = 
     return cluster.latency_s + copies * nbytes / cluster.rail_bandwidth
 
 
-def node_s(nbytes: float, topology: Topology, cluster: Cluster) -> float:
-    """A broadcast (or reduce) of one chunk among the ``S`` devices of a node."""
+def node_s(nbytes: float, topology: Topology, cluster: Cluster, reduce: bool = False) -> float:
+    """A broadcast (or, ``reduce``, a sum to one device, at the reductions' bandwidth) of one chunk among the
+    ``S`` devices of a node."""
     if topology.per_node == 1:
         return 0.0
     s = topology.per_node
-    return cluster.collective_overhead_s + (s - 1) * cluster.latency_s + nbytes / cluster.intra_node_bandwidth
+    bandwidth = cluster.intra_node_bandwidth * (cluster.reduce_bandwidth_ratio if reduce else 1.0)
+    return cluster.collective_overhead_s + (s - 1) * cluster.latency_s + nbytes / bandwidth
 
 
 def fetch_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
     return rail_s(nbytes, topology, cluster, stagger) + node_s(nbytes, topology, cluster)
 
 
-gradient_s = fetch_s  # a node reduce then the rail: the same two legs, the other way
+def gradient_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+    """A node reduce then the rail: a fetch's two legs, the other way."""
+    return node_s(nbytes, topology, cluster, reduce=True) + rail_s(nbytes, topology, cluster, stagger)
 
 
 def visits(num_chunks: int, num_microbatches: int) -> list[tuple[str, int, int]]:
@@ -195,20 +200,21 @@ def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: 
     needs = fetched(order)
     overhead = cluster.action_overhead_s
     spans: list[Span] = []
-    fetch_free = grad_free = 0.0  # the communication stream(s): one without the stagger
+    fetch_free = grad_free = 0.0  # the two communication streams (the runtime's fetch and reduction threads)
 
     def issue_fetch(i: int, at: float) -> float:
-        nonlocal fetch_free, grad_free
+        nonlocal fetch_free
         start = max(at, fetch_free)
         end = start + fetch_s(costs[order[i][1]].param_bytes, topology, cluster, stagger)
         fetch_free = end
-        if not stagger:
-            grad_free = end
         spans.append(Span(0, "gather", start, end, order[i][1]))
         return end
 
+    # the first chunk's fetch is issued before the step's host work (step_overhead_s) and runs beside it, as
+    # the runtime prefetches it
     arrival = {0: issue_fetch(0, 0.0)}
-    end = wait = 0.0
+    end = cluster.step_overhead_s
+    wait = 0.0
     for i, (kind, c, mb) in enumerate(order):
         cost = costs[c]
         ready = arrival.get(i, 0.0)
@@ -218,7 +224,8 @@ def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: 
             wait += ready - end
         if i + 1 < len(order) and needs[i + 1]:
             arrival[i + 1] = issue_fetch(i + 1, start)
-        recompute = 0.0 if profile.recompute else cost.forward_s
+        # the last chunk's forward keeps its graph for the backward that follows at once (as the runtime does)
+        recompute = 0.0 if profile.recompute or c == p - 1 else cost.forward_s
         compute = cost.forward_s if kind == "forward" else cost.backward_s + recompute
         end = start + compute + overhead
         spans.append(Span(0, kind, start, end, c, mb))
@@ -226,15 +233,13 @@ def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: 
             g_start = max(end, grad_free)
             g_end = g_start + gradient_s(cost.param_bytes, topology, cluster, stagger)
             grad_free = g_end
-            if not stagger:
-                fetch_free = g_end
             spans.append(Span(0, "reduce", g_start, g_end, c))
     pipeline_end = max(end, fetch_free, grad_free)
     if stagger and topology.nodes > 1:
         busy = sum(span.duration for span in spans if span.kind in ("forward", "backward"))
         pipeline_end += (topology.nodes - 1) * busy / len(order)
     optimizer_s = profile.optimizer_s_per_byte * max(cost.param_bytes for cost in costs)
-    step_time = pipeline_end + optimizer_s + cluster.step_overhead_s
+    step_time = pipeline_end + optimizer_s
     if end < pipeline_end:
         spans.append(Span(0, "step_sync", end, pipeline_end))
     spans.append(Span(0, "optimizer", pipeline_end, pipeline_end + optimizer_s))

@@ -10,7 +10,8 @@ from lightning_bfpp.plan import weight_passing as wp
 from lightning_bfpp.plan.cluster import hybrid_inter_node_bytes, links
 from lightning_bfpp.plan.search import search, search_per_replica_batch
 
-T_F, T_B = 1.0, 2.0  # per layer and micro-batch; weight passing's backward adds a recomputed forward: 3.0
+T_F, T_B = 1.0, 2.0  # per layer and micro-batch; weight passing's backward adds a recomputed forward: 3.0,
+# but the last chunk's, whose forward kept its graph
 
 
 def model(layers=2, param_bytes=1, **kwargs):
@@ -52,33 +53,36 @@ def test_fetch_is_a_rail_transfer_then_a_node_broadcast():
 def test_fetches_hide_behind_compute_but_the_first_and_the_last_gradient(n):
     # two chunks (one layer each) on two nodes; fetch = gradient = 1 byte / 2.5 B/s = 0.4 s < every visit
     step = simulate(passing(2, n), model(), two_nodes(2.5)).step_time
-    per_microbatch = 2 * T_F + 2 * (T_B + T_F)  # forwards, then backwards with the recomputation
+    per_microbatch = 2 * T_F + T_B + (T_B + T_F)  # forwards, then backwards (the first chunk's recomputed)
     assert step == pytest.approx(0.4 + n * per_microbatch + 0.4)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_no_overlap_when_a_fetch_exceeds_a_chunks_compute(n):
-    # fetch = gradient = 5 s, longer than any visit (1 s forward, 3 s backward): the stream never idles but
-    # during each micro-batch's last forward (its successor reuses the chunk, so the next fetch waits for the
-    # backward to start); 2N + 1 fetches (chunk 1 serves both sweeps, chunk 0 the next forward), 2N gradients
+def test_fetches_longer_than_a_chunks_compute_are_waited_for(n):
+    # fetch = gradient = 5 s, longer than any visit (1 s forward, 3 s backward), on a stream each (the runtime's
+    # two threads): per micro-batch the fetches of chunk 1 (forward) and chunk 0 (backward) are waited for in
+    # full, the gradients hide behind them but the last
     step = simulate(passing(2, n), model(), two_nodes(0.2)).step_time
-    assert step == pytest.approx((2 * n + 1) * 5 + 2 * n * 5 + n * T_F)
+    assert step == pytest.approx(5 + n * (2 * 5 + T_F + (T_B + T_F)) + 5)
     # the hand-derived timeline for one micro-batch: fetch 0 [0, 5], F0 [5, 6], fetch 1 [5, 10], F1 [10, 11],
-    # B1 [11, 14] while fetch 0 [11, 16], gradient 1 [16, 21], B0 [16, 19], gradient 0 [21, 26]
+    # B1 [11, 13] (its forward kept the graph) while fetch 0 [11, 16], gradient 1 [13, 18], B0 [16, 19],
+    # gradient 0 [19, 24]
     if n == 1:
         spans = simulate(passing(2, 1), model(), two_nodes(0.2)).spans
         compute = [(s.kind, s.stage, s.start, s.end) for s in spans if s.kind in ("forward", "backward")]
-        assert compute == [("forward", 0, 5, 6), ("forward", 1, 10, 11), ("backward", 1, 11, 14),
+        assert compute == [("forward", 0, 5, 6), ("forward", 1, 10, 11), ("backward", 1, 11, 13),
                            ("backward", 0, 16, 19)]  # fmt: skip
         reduces = [(s.start, s.end) for s in spans if s.kind == "reduce"]
-        assert reduces == [(16, 21), (21, 26)]
+        assert reduces == [(13, 18), (19, 24)]
 
 
 def test_a_profile_with_recomputation_is_not_recomputed_twice():
     plain = model()
     recomputed = uniform(2, T_F, T_B + T_F, 1, 1, 1, optimizer_state_ratio=0.0, recompute=True)
     cluster = two_nodes(2.5)
-    assert simulate(passing(2, 2), recomputed, cluster).step_time == simulate(passing(2, 2), plain, cluster).step_time
+    # every chunk's backward already recomputes (the last chunk's too, where chunk-level recomputation skips it)
+    plain_step = simulate(passing(2, 2), plain, cluster).step_time
+    assert simulate(passing(2, 2), recomputed, cluster).step_time == pytest.approx(plain_step + 2 * T_F)
 
 
 def test_the_stagger_sends_one_copy_per_link_and_overlaps_both_directions():
@@ -86,13 +90,13 @@ def test_the_stagger_sends_one_copy_per_link_and_overlaps_both_directions():
     profile = model(layers=3)
     plain = simulate(passing(3, 1), profile, cluster)
     staggered = simulate(passing(3, 1, stagger=True), profile, cluster)
-    # without the stagger: 2 copies × 5 s per rail transfer, one at a time: 5 fetches (chunk 2 serves both
-    # sweeps), 3 gradients, and the stream idles during the last forward
-    assert plain.step_time == pytest.approx((5 + 3) * 10 + T_F)
-    # with it: one copy (5 s) per transfer, gradients on their own stream: fetches end at 5, 10, 15 (F2 runs
-    # [15, 16], B2 reuses it [16, 19]), 21, 26; B1 [21, 24], B0 [26, 29], gradient 0 [29, 34]; then the last
-    # node finishes D − 1 = 2 mean visits (2 s each) later
-    assert staggered.step_time == pytest.approx(34 + 2 * 2)
+    # without the stagger: 2 copies × 5 s per rail transfer: fetches [0, 10], [10, 20], [20, 30] (F2 [30, 31],
+    # B2 reuses it [31, 33]), [31, 41], [41, 51]; B1 [41, 44], B0 [51, 54]; gradients [33, 43], [44, 54], [54, 64]
+    assert plain.step_time == pytest.approx(64)
+    # with it: one copy (5 s) per transfer: fetches end at 5, 10, 15 (F2 runs [15, 16], B2 reuses it
+    # [16, 18]), 21, 26; B1 [21, 24], B0 [26, 29], gradient 0 [29, 34]; then the last node finishes
+    # D − 1 = 2 mean visits (11 s of compute over 6 visits) later
+    assert staggered.step_time == pytest.approx(34 + 2 * 11 / 6)
 
 
 def test_traffic_matches_the_formulas():
@@ -178,6 +182,21 @@ def test_hybrid_shard_gathers_in_a_node_and_all_reduces_a_shard_across_nodes():
     # the number of micro-batches changes hybrid's compute, not its traffic
     more = simulate(PlanConfig("1f1b", 1, 16, 1, 4, 1, "hybrid_shard"), profile, cluster)
     assert more.comm_bytes == hybrid.comm_bytes
+
+
+def test_reductions_run_at_their_own_measured_bandwidths():
+    # gloo sums on the host: a reduce-scatter at half an all-gather's bandwidth, an all-reduce at 2× (calibrated)
+    cluster = Cluster(16, 8, 2**40, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0, latency_s=0.0,
+                      reduce_bandwidth_ratio=0.5, all_reduce_bandwidth_ratio=2.0)  # fmt: skip
+    net = links(cluster, p=1, dp=16, mesh_order="data_pipeline")
+    assert net.hybrid_all_gather_s(0, 800) == pytest.approx(7 / 8 * 800 / 100)
+    assert net.hybrid_reduce_s(0, 800) == pytest.approx(7 / 8 * 800 / 50 + 2 * 1 / 2 * 100 / 2)
+    flat = links(Cluster(2, 2, 2**40, 10.0, 10.0, latency_s=0.0, reduce_bandwidth_ratio=0.5), p=1, dp=2,
+                 mesh_order="data_pipeline")  # fmt: skip
+    assert flat.all_gather_s(0, 100) == pytest.approx(5) and flat.reduce_scatter_s(0, 100) == pytest.approx(10)
+    assert flat.all_reduce_s(0, 100) == pytest.approx(10)  # 2 · (n − 1)/n · B at the all-gather's bandwidth
+    two = wp.Topology(1, 2)  # weight passing: the node broadcast at the gather's bandwidth, the reduce at the sum's
+    assert wp.fetch_s(100, two, cluster) == pytest.approx(1) and wp.gradient_s(100, two, cluster) == pytest.approx(2)
 
 
 def test_search_offers_weight_passing_and_hybrid_shard_across_nodes():
