@@ -48,7 +48,22 @@ SINGLE_MODEL = {"optimizer": "adamw", "scheduler": "step"}  # one param group: s
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def crashed(tmp_path_factory):
+    """A run whose rank 1 fails while writing the step-2 checkpoint: the launch, and what its checkpoint folder
+    held right after (read before anything resumes from it)."""
+    workdir = tmp_path_factory.mktemp("crash")
+    crash = run("crash", steps=3, checks=["last_checkpoint_every_step", "fail_save_at_step_2"])
+    proc = run_worker([crash], 4, workdir, timeout=300)
+    ckpts = workdir / "out" / "crash" / "ckpts"
+    last = ckpts / "last.ckpt"
+    sharded = is_sharded_checkpoint(last)
+    step = torch.load(last / "meta.pt", weights_only=False)["global_step"] if sharded else None
+    names = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else None
+    return proc, names, sharded, step, last
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, crashed):
     workdir = tmp_path_factory.mktemp("checkpoint")
     single = workdir / "single_device_step3.ckpt"
     reference_run(run("single", epochs=1, model=SINGLE_MODEL), save_to=str(single))
@@ -60,6 +75,9 @@ def results(tmp_path_factory):
         run("resume_dp4", layout="p1_dp4_v2", resume_from="half/end.ckpt"),
         run("from_single_device", model=SINGLE_MODEL, resume_from=str(single)),
     ]
+    _, _, sharded, _, last = crashed
+    if sharded:  # the crashed run's last good checkpoint resumes, in this launch (the crash test fails without it)
+        runs.append(run("after_crash", steps=2, resume_from=str(last)))
     return workdir, launch(runs, 4, workdir, timeout=600)
 
 
@@ -130,17 +148,13 @@ def test_single_device_checkpoint_resumes_under_the_pipeline(results):
     assert max(relative_error(resumed.params[k], ref_params[k]) for k in ref_params) < 1e-5
 
 
-def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path):
-    crash = run("crash", steps=3, checks=["last_checkpoint_every_step", "fail_save_at_step_2"])
-    proc = run_worker([crash], 4, tmp_path, timeout=300)
+def test_a_crash_while_saving_keeps_the_last_good_checkpoint(crashed, results):
+    proc, names, sharded, step, _ = crashed
     assert proc.returncode != 0 and "injected failure" in proc.stderr
-    ckpts = tmp_path / "out" / "crash" / "ckpts"
-    last = ckpts / "last.ckpt"
-    assert is_sharded_checkpoint(last)
-    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 1  # step 2 never replaced it
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]  # no half-written folder left behind
+    assert sharded
+    assert step == 1  # step 2 never replaced it
+    assert names == ["last.ckpt"]  # no half-written folder left behind
     # and it resumes
-    after = run("after_crash", steps=2, resume_from="crash/ckpts/last.ckpt")
-    res = launch([after], 4, tmp_path, timeout=300)
+    _, res = results
     assert res["after_crash"].ranks[0]["holdings"]["counters"]["global_step"] == 2
     assert len(res["after_crash"].steps(0)) == 1

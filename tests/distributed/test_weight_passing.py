@@ -181,7 +181,7 @@ def test_transfers_per_step_match_the_formulas(results):
     rails = [sorted(topology.rail_ranks(j)) for j in range(per_node)]
     node_groups = [sorted(topology.node_ranks(d)) for d in range(nodes)]
     result = results["traffic_2x2"]
-    step = 1  # the second step: the same as the first, without setup
+    step = 1  # the first training step (setup's transfers are recorded as step 0)
     sent = received = broadcast = reduced = 0
     for rank_result in result.ranks:
         for entry_step, name, ranks, size, _ in rank_result["traffic"]:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 RANK_SCRIPT = """
+import tests.lean_imports  # Lightning (imported by lightning_bfpp) without torchmetrics' slow extras
 import sys, time
 import torch.distributed as dist
 from lightning_bfpp.failures import FailureWatchdog
