@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import copy
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -159,20 +157,8 @@ def hf_loader(run: RunSpec, trainer: L.Trainer) -> DataLoader:
     return DataLoader(token_data(run), batch_size=run.local_batch_size)
 
 
-# references already trained in this pytest process, by the run without its name and strategy
-_REFERENCES: dict[str, Reference] = {}
-
-
 def hf_reference_run(run: RunSpec) -> Reference:
-    """``run`` trained on one process with ``strategy="auto"`` on the global batches (see ``reference_run``); a
-    run asked for again gets a copy of the first training (it is deterministic)."""
-    key = json.dumps({k: v for k, v in run.to_json().items() if k not in ("name", "strategy")}, sort_keys=True)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _train_reference(run)
-    return copy.deepcopy(_REFERENCES[key])
-
-
-def _train_reference(run: RunSpec) -> Reference:
+    """``run`` trained on one process with ``strategy="auto"`` on the global batches (see ``reference_run``)."""
     model = hf_module(run)
     data = token_data(run)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)

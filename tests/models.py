@@ -7,8 +7,6 @@ identical weights and see identical samples.
 
 from __future__ import annotations
 
-import copy
-import json
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -405,26 +403,6 @@ class Reference:
     extras: dict[str, Any]
 
 
-# checks only the pipelined run acts on (tests/distributed/worker.py); a one-device reference ignores them
-WORKER_ONLY_CHECKS = frozenset({"traffic", "layer_probe", "empty_init", "save_at_end"})
-# one-device references already trained in this pytest process, by what they depend on (see `_reference_key`)
-_REFERENCES: dict[str, Reference] = {}
-
-
-def _reference_key(ref: RunSpec, resume_from: str | None) -> str:
-    """Everything a one-device reference of ``ref`` depends on: not the run's name, its strategy, its loader
-    factory (the pipelined run's), or checks only the worker acts on; for PipeNet without predictions only the
-    global batch (``local_batch_size * data_parallel_size``), not how it is split over replicas."""
-    fields = ref.to_json()
-    for unused in ("name", "strategy", "loader_factory", "expect_error", "reference", "resume_from"):
-        fields.pop(unused)
-    fields["checks"] = sorted(set(ref.checks) - WORKER_ONLY_CHECKS)
-    if ref.model_factory is None and "predict" not in ref.checks:
-        fields["local_batch_size"], fields["data_parallel_size"] = ref.local_batch_size * ref.data_parallel_size, 1
-    fields["resume_from"] = resume_from
-    return json.dumps(fields, sort_keys=True)
-
-
 def reference_run(
     run: RunSpec, save_to: str | None = None, resume_from: str | None = None, out: Path | None = None
 ) -> Reference:
@@ -433,15 +411,8 @@ def reference_run(
     Lightning shuffles a distributed training set with ``DistributedSampler(shuffle=True, seed=0)``; the k-th
     global batch of the data-parallel replicas together is the k-th slice of that permutation, which is
     what this sampler gives one process with the global batch size.
-
-    Training is deterministic, so runs that differ only in what the reference does not use (their strategy,
-    say) share one training per pytest process; each caller gets its own copy. ``save_to`` and ``out`` (files
-    the caller wants written) always train.
     """
     ref = RunSpec(**{**run.to_json(), **run.reference})
-    key = _reference_key(ref, resume_from) if out is None else None
-    if key in _REFERENCES and save_to is None:
-        return copy.deepcopy(_REFERENCES[key])
     model = make_model(ref)
     data = make_dataset(ref)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -460,10 +431,7 @@ def reference_run(
     extras["counters"] = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
     extras["out"] = out
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if "mae" not in k}
-    result = Reference(recorder.steps, params, recorder.validations, extras)
-    if key is not None:
-        _REFERENCES[key] = copy.deepcopy(result)
-    return result
+    return Reference(recorder.steps, params, recorder.validations, extras)
 
 
 def fit(trainer: L.Trainer, model: L.LightningModule, loader: Any, val: Any, run: RunSpec, ckpt: str | None) -> None:
