@@ -158,3 +158,20 @@ def test_runtime_calibration_fits_per_action_and_per_step_costs():
         assert many.num_microbatches == 4 * few.num_microbatches and many.stages_per_rank == few.stages_per_rank
     with pytest.raises(ValueError, match="do not divide"):
         runtime_configs(3)
+
+
+def test_the_first_gather_runs_beside_the_steps_host_work():
+    # one stage of 600 bytes over dp=2: a gather takes 3 s (300 of 600 bytes at 100 B/s), the step's host work 5 s
+    profile = uniform(2, 1.0, 2.0, 300, 1, 1, optimizer_state_ratio=0.0)
+    quiet = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0)
+    busy = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0, step_overhead_s=5.0)
+    config = PlanConfig("breadth_first", 1, 2, 1, 1, 1)
+    alone = simulate(config, profile, quiet).step_time
+    assert alone == pytest.approx(3 + 2 + 4 + 3)  # gather, forward, backward, blocking reduce
+    prefetched = simulate(config, profile, busy)
+    assert prefetched.step_time == pytest.approx(5 + alone - 3)  # the gather is hidden behind the host work
+    spans = [(s.kind, s.start) for s in prefetched.spans if s.rank == 0 and s.kind in ("gather", "forward")]
+    assert spans[:2] == [("gather", 0.0), ("forward", 5.0)]
+    # without the runtime's prefetch, the first gather waits for the host work
+    late = simulate(PlanConfig("breadth_first", 1, 2, 1, 1, 1, prefetch_stages=0), profile, busy)
+    assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)

@@ -239,3 +239,12 @@ def test_the_auto_path_can_plan_weight_passing_and_hybrid_shard():
     assert feasible and all(c.config.sharding == "hybrid_shard" for c in feasible)
     # hybrid needs data-parallel groups split evenly over nodes, more than one rank per node (as the strategy)
     assert {c.config.pipeline_parallel_size for c in feasible} <= {1, 2}
+
+
+def test_the_first_fetch_runs_beside_the_steps_host_work():
+    # fetch = gradient = 0.4 s, hidden but the first and the last; the step's host work (1 s) hides the first
+    quiet = simulate(passing(2, 1), model(), two_nodes(2.5)).step_time
+    busy = simulate(passing(2, 1), model(), two_nodes(2.5, step_overhead_s=1.0))
+    assert busy.step_time == pytest.approx(1.0 + quiet - 0.4)
+    assert next(s.start for s in busy.spans if s.kind == "gather") == 0.0
+    assert next(s.start for s in busy.spans if s.kind == "forward") == pytest.approx(1.0)
