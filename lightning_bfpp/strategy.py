@@ -42,6 +42,7 @@ from lightning_bfpp import _lightning_compat as lc
 from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp.agreement import AgreedError, agree, agree_on_failure
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
+from lightning_bfpp.cpu_threads import available_cores, share_cores
 from lightning_bfpp.failures import FailureWatchdog
 from lightning_bfpp.layers import (
     Recompute,
@@ -241,6 +242,14 @@ class BFPPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
         self.set_world_ranks()
+        if self.root_device.type == "cpu":
+            threads = share_cores(self.num_processes)
+            if threads is not None:
+                rank_zero_info(
+                    f"BFPPStrategy: {self.num_processes} processes share this node's {available_cores()} cores:"
+                    f" torch runs {threads} intra-op thread(s) per process, as under torchrun (set"
+                    " OMP_NUM_THREADS to choose another count)."
+                )
         planned = self.config.pipeline_parallel_size == "auto"
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,18 @@ def run_2x2(name: str, *, strategy=None, model=None, trainer=None, checks=(), **
     )
 
 
-def run_worker(runs: list[RunSpec], devices: int, workdir: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``runs`` one after another in ``devices`` CPU processes; a timeout is reported as a hang."""
+def run_worker(
+    runs: list[RunSpec], devices: int, workdir: Path, timeout: float, unset: Sequence[str] = ()
+) -> subprocess.CompletedProcess:
+    """Run ``runs`` one after another in ``devices`` CPU processes; a timeout is reported as a hang.
+
+    The processes get ``OMP_NUM_THREADS=1`` unless ``unset`` names it (then the strategy picks their threads).
+    """
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps({"devices": devices, "runs": [r.to_json() for r in runs]}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
+    for name in ("LOCAL_RANK", *unset):
+        env.pop(name, None)
     cmd = [sys.executable, "-m", "tests.distributed.worker", str(spec_path), str(workdir / "out")]
     try:
         # a new session, so a hang can be killed with every process Lightning launched
@@ -65,9 +72,11 @@ def run_worker(runs: list[RunSpec], devices: int, workdir: Path, timeout: float)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def launch(runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 240) -> dict[str, RunResult]:
+def launch(
+    runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 240, unset: Sequence[str] = ()
+) -> dict[str, RunResult]:
     """Run ``runs`` (see :func:`run_worker`) and load what every rank recorded; fail with the output on error."""
-    proc = run_worker(runs, devices, workdir, timeout)
+    proc = run_worker(runs, devices, workdir, timeout, unset)
     if proc.returncode != 0:
         raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
     return load_results(runs, devices, workdir)

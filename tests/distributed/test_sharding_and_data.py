@@ -51,7 +51,8 @@ RUNS = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sharding")
-    return workdir, launch(RUNS, 4, workdir, timeout=480)
+    # without OMP_NUM_THREADS: the strategy gives each process its share of the cores (see test below)
+    return workdir, launch(RUNS, 4, workdir, timeout=480, unset=("OMP_NUM_THREADS",))
 
 
 def step_events(rank_result, step):
@@ -217,3 +218,17 @@ def test_a_steady_step_meets_the_other_ranks_in_one_small_collective(name, resul
         calls = {what: n for (s, what), n in per_step.items() if s == 2}
         assert calls == {"all_gather_single": 1}, calls
         assert per_step[(1, "all_reduce")] >= 1, "the first step checks the ranks before building its schedule"
+
+
+def test_cpu_processes_share_the_cores(results):
+    """Launched without OMP_NUM_THREADS, as Lightning launches, each of the 4 CPU processes runs its share of
+    the cores, as under torchrun, instead of torch's default of one thread per core each."""
+    from lightning_bfpp.cpu_threads import available_cores, threads_per_process
+
+    _, res = results
+    cores = available_cores()
+    share = threads_per_process(cores, 4)
+    if share >= cores:
+        pytest.skip("one core: torch's default is already the share")
+    for run in res.values():
+        assert [r["holdings"]["intra_op_threads"] for r in run.ranks] == [share] * 4

@@ -254,6 +254,7 @@ class Probe(L.Callback):
         local_layers = set(strategy.stage_plan.layers_of(strategy.pipeline_rank))
         layout = strategy.layout
         self.holdings = {
+            "intra_op_threads": torch.get_num_threads(),
             "layout": {
                 "p": layout.pipeline_parallel_size,
                 "dp": layout.data_parallel_size,
