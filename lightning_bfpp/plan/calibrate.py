@@ -9,9 +9,10 @@
   idle, as most ranks' links are during a real step. One machine only shows its intra-node links; the
   inter-node bandwidth is written equal to them unless given;
 - **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 5 and
-  10 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes, twice, with 4× more schedule actions per
-  rank the second time. What the two step times have beyond the simulated ones gives the host cost per
-  schedule action and per step (Python, the step's collective, Lightning's loop), which grow with the
+  10 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes in two layouts, the second with 4× more
+  schedule actions per rank, three times each, alternating. What the two layouts' median step times have
+  beyond the simulated ones gives the host cost per schedule action and per step (Python, the step's
+  collective, Lightning's loop), which grow with the
   process count and are what the simulation would otherwise miss on small layers. The layers are long
   enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
   layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
@@ -38,12 +39,14 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.emulated import EmulatedModel
 from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
@@ -190,37 +193,80 @@ def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
     )
 
 
-def measure_runtime(devices: int, links: Cluster, steps: int = 12) -> tuple[Cluster, list[dict[str, float]]]:
+def measure_runtime(
+    devices: int, links: Cluster, steps: int = 12, rounds: int = 3
+) -> tuple[Cluster, list[dict[str, Any]]]:
     """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
 
-    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own; its median step
-    time (after the first, which also infers shapes) less the simulated one (this machine's links, the
-    emulated layers' measured sleeps) is the runtime's cost, fitted as ``step + actions × action``.
+    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own, ``rounds`` times,
+    the two configurations alternating; its median step time (after the first, which also infers shapes),
+    the median over its rounds, less the simulated one (this machine's links, the emulated layers' measured
+    sleeps) is the runtime's cost, fitted as a cost per step and per action charged as the simulation
+    charges them (:func:`cost_weights`, :func:`fit_runtime_costs`). One round of each moved the fitted
+    cost per action by a fifth between calibrations at 8 processes on 2 cores (3.2 against 3.8 ms), enough
+    to put predictions with many actions per rank 11–13% off; alternating rounds spread the machine's drift
+    over both configurations, and the median drops a disturbed job.
     """
     from lightning_bfpp.plan.emulated import EmulatedNet
     from lightning_bfpp.plan.profile import profile_module
 
+    if rounds < 1:
+        raise ValueError(f"measure_runtime needs at least one round, got {rounds}")
     profile = profile_module(EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),), repeats=7)
     profile = replace(profile, optimizer_state_ratio=0.0)
-    rows = []
-    for config in runtime_configs(devices):
-        measured = run_emulated(config, RUNTIME_MODEL, steps, devices)
-        rows.append({
-            "actions": 2 * config.stages_per_rank * config.num_microbatches,
-            "measured_s": measured,
-            "simulated_s": simulate(config, profile, links).step_time,
-        })  # fmt: skip
+    configs = runtime_configs(devices)
+    runs: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            runs[i].append(run_emulated(config, RUNTIME_MODEL, steps, devices))
+    rows = [
+        {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
+         "rounds_s": measured, **cost_weights(config, profile, links)}
+        for config, measured in zip(configs, runs, strict=True)
+    ]  # fmt: skip
     per_action, per_step = fit_runtime_costs(rows)
     return replace(links, action_overhead_s=per_action, step_overhead_s=per_step), rows
 
 
-def fit_runtime_costs(rows: list[dict[str, float]]) -> tuple[float, float]:
-    """``(per action, per step)`` seconds from two runs' ``actions`` per rank and measured and simulated steps:
-    the measured excess is ``per_step + actions × per_action`` (neither below 0)."""
+def cost_weights(config: PlanConfig, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:
+    """The simulated step of ``config`` without runtime costs, and how much it grows per second of runtime cost
+    per action (``action_weight``: about the actions on the critical path) and per step (``step_weight``).
+
+    The fit must charge the costs as the simulation will: every action on the critical path pays the cost per
+    action, and with ``p`` ranks that path holds about ``2(m·v + p − 1)`` actions, not a rank's ``2·m·v``.
+    Fitting against a rank's own count put the rows with many actions per rank 11–16% high at 8 processes.
+    """
+    base = simulate(config, profile, links).step_time
+    per_action = simulate(config, profile, replace(links, action_overhead_s=probe_s)).step_time
+    per_step = simulate(config, profile, replace(links, step_overhead_s=probe_s)).step_time
+    return {
+        "simulated_s": base,
+        "action_weight": (per_action - base) / probe_s,
+        "step_weight": (per_step - base) / probe_s,
+    }
+
+
+def fit_runtime_costs(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """``(per action, per step)`` seconds, neither below 0, from two runs' measured and simulated steps: the
+    measured excess is ``step_weight × per_step + action_weight × per_action`` (see :func:`cost_weights`;
+    without weights, one per step and ``actions`` per rank). Where the exact solution has a negative cost,
+    that cost is 0 and the other is the least-squares fit over both runs."""
     extra = [r["measured_s"] - r["simulated_s"] for r in rows]
-    per_action = max((extra[1] - extra[0]) / (rows[1]["actions"] - rows[0]["actions"]), 0.0)
-    per_step = max(extra[0] - per_action * rows[0]["actions"], 0.0)
-    return per_action, per_step
+    a = [r.get("action_weight", r["actions"]) for r in rows]
+    b = [r.get("step_weight", 1.0) for r in rows]
+    det = a[0] * b[1] - a[1] * b[0]
+    per_action = (extra[0] * b[1] - extra[1] * b[0]) / det
+    per_step = (a[0] * extra[1] - a[1] * extra[0]) / det
+    if per_step < 0:
+        per_action, per_step = _least_squares(a, extra), 0.0
+    elif per_action < 0:
+        per_action, per_step = 0.0, _least_squares(b, extra)
+    return max(per_action, 0.0), max(per_step, 0.0)
+
+
+def _least_squares(weights: list[float], extra: list[float]) -> float:
+    """The ``x`` minimising ``Σ (weight·x − extra)²``."""
+    return sum(w * e for w, e in zip(weights, extra, strict=True)) / sum(w * w for w in weights)
 
 
 def run_emulated(

@@ -152,12 +152,65 @@ def test_runtime_calibration_fits_per_action_and_per_step_costs():
         {"actions": 64, "simulated_s": 0.300, "measured_s": 0.300 + 0.005 + 0.064},
     ]
     assert fit_runtime_costs(rows) == pytest.approx((0.001, 0.005))
+    # weighted as the simulation charges them: 46 and 142 actions on the critical path, the step cost once
+    rows = [
+        {"actions": 32, "action_weight": 46.0, "step_weight": 1.0, "simulated_s": 0.4,
+         "measured_s": 0.4 + 0.005 + 0.046},
+        {"actions": 128, "action_weight": 142.0, "step_weight": 1.0, "simulated_s": 1.2,
+         "measured_s": 1.2 + 0.005 + 0.142},
+    ]  # fmt: skip
+    assert fit_runtime_costs(rows) == pytest.approx((0.001, 0.005))
+    # an excess that no positive step cost explains: 0 per step, the cost per action fitted over both runs
+    rows[0]["measured_s"], rows[1]["measured_s"] = 0.4 + 0.040, 1.2 + 0.150
+    per_action, per_step = fit_runtime_costs(rows)
+    assert per_step == 0.0
+    assert per_action == pytest.approx((46 * 0.040 + 142 * 0.150) / (46**2 + 142**2))
     for devices in (2, 4, 8):  # the two layouts use every process and differ only in actions per rank (4×)
         few, many = runtime_configs(devices)
         assert few.pipeline_parallel_size * few.data_parallel_size == devices
         assert many.num_microbatches == 4 * few.num_microbatches and many.stages_per_rank == few.stages_per_rank
     with pytest.raises(ValueError, match="do not divide"):
         runtime_configs(3)
+
+
+def test_runtime_costs_are_weighted_by_the_actions_on_the_critical_path():
+    from lightning_bfpp.plan.calibrate import RUNTIME_MODEL, cost_weights, runtime_configs
+
+    model = RUNTIME_MODEL
+    profile = uniform(model.layers, model.forward_ms / 1e3, model.backward_ms / 1e3, model.param_bytes,
+                      model.activation_bytes, optimizer_state_ratio=0.0)  # fmt: skip
+    links = Cluster(num_devices=8, devices_per_node=8, memory_bytes=2**34, intra_node_bandwidth=1e12,
+                    inter_node_bandwidth=1e12, latency_s=0.0)  # fmt: skip
+    for config in runtime_configs(8):
+        weights = cost_weights(config, profile, links)
+        p, v, m = config.pipeline_parallel_size, config.stages_per_rank, config.num_microbatches
+        # more than a rank's own 2·m·v actions: the pipeline's fill and drain are on the path too
+        assert 2 * m * v < weights["action_weight"] <= 2 * (m * v + p - 1) + 1e-6
+        assert weights["step_weight"] == pytest.approx(1.0)
+
+
+def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(monkeypatch):
+    from lightning_bfpp.plan import calibrate as calibration
+
+    few, many = calibration.runtime_configs(2)
+    order: list[int] = []
+    # the second round of the many-action layout was disturbed (other work on the machine): 1 s instead of 0.3
+    steps = {few.num_microbatches: [0.10, 0.11, 0.12], many.num_microbatches: [0.30, 1.00, 0.32]}
+
+    def run_emulated(config, model, steps_, devices):
+        order.append(config.num_microbatches)
+        return steps[config.num_microbatches][order.count(config.num_microbatches) - 1]
+
+    monkeypatch.setattr(calibration, "run_emulated", run_emulated)
+    links = Cluster(num_devices=2, devices_per_node=2, memory_bytes=2**30, intra_node_bandwidth=1e9,
+                    inter_node_bandwidth=1e9)  # fmt: skip
+    cluster, rows = calibration.measure_runtime(2, links, steps=3, rounds=3)
+    assert order == [few.num_microbatches, many.num_microbatches] * 3  # alternating, so drift reaches both
+    assert [r["measured_s"] for r in rows] == [0.11, 0.32]  # the medians: the disturbed round is dropped
+    assert [r["rounds_s"] for r in rows] == [steps[few.num_microbatches], steps[many.num_microbatches]]
+    assert (cluster.action_overhead_s, cluster.step_overhead_s) == pytest.approx(calibration.fit_runtime_costs(rows))
+    with pytest.raises(ValueError, match="at least one round"):
+        calibration.measure_runtime(2, links, rounds=0)
 
 
 def test_the_first_gather_runs_beside_the_steps_host_work():
