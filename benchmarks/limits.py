@@ -18,6 +18,8 @@ what ``results.md``'s mean:
    contention for the two cores); traced steps, cut into their critical paths;
 2. sharded communication, (b): bfpp's gathers and reductions alone (no compute), the (b) comparison over
    parameter sizes and layer times, and the ratio over ``ScheduleLoopedBFS`` that communication volume allows;
+   with ``--full``, (b) beside torch's schedules over 2, 4 and 8 micro-batches, each sharding of bfpp against the
+   torch setting that holds weights as long;
 3. the machine: load, the CPU other work took while each job ran, sleep overrun, and two one-thread processes'
    throughput against one.
 """
@@ -80,6 +82,17 @@ SHARD_IMPLS: dict[str, dict[str, Any]] = {
     "hand_none": dict(kind="bfpp_hand", sharding="none", label="bfpp by hand, 2 replicas, no gradient exchange"),
 }  # fmt: skip
 B_SIZE = 2_000_000  # (b)'s fp32 parameters per layer
+# section 2 (iv): bfpp against torch's schedules + FSDP2 at (b) and with more micro-batches, where FSDP2's default
+# resharding gathers once per micro-batch; and each sharding of bfpp against the torch schedules of its own kind
+# (``shard_grad_op`` keeps a stage's weights from its forward to its backward, as ``reshard_after_forward=False``)
+PEER_MS = (2, 4, 8)
+PEER_IMPLS: dict[str, dict[str, Any]] = {
+    "bfpp": SHARD_IMPLS["bfpp"],
+    "bfpp_zero2": dict(kind="bfpp", sharding="shard_grad_op", label="bfpp (Lightning), shard_grad_op dp=2"),
+    "LoopedBFS": SHARD_IMPLS["LoopedBFS"],
+    "LoopedBFS_reshard": SHARD_IMPLS["LoopedBFS_reshard"],
+    "Interleaved1F1B": dict(kind="torch", schedule="Interleaved1F1B", label="torch Interleaved1F1B + FSDP2"),
+}
 
 
 @dataclass(frozen=True)
@@ -91,18 +104,22 @@ class Points:
     shard_ms: tuple[float, ...]  # forward ms per layer at (b)'s 2M parameters, section 2
     shard_ms_impls: tuple[str, ...]  # the implementations measured at those layer times
     far_ms: tuple[float, ...]  # layer times past (b)'s 7% crossing, measured for bfpp and no-dp only (long steps)
+    peers: bool  # section 2 (iv): (b) at PEER_M micro-batches, and bfpp shard_grad_op against torch's schedules
     rounds: int
     warmup: int
     steps: int
 
 
-QUICK = Points((0, 5, 20), (62_500, 250_000, 500_000, 1_000_000, B_SIZE), (0, 10, 20), ("bfpp", "nodp"), (), 1, 2, 4)
+QUICK = Points(
+    (0, 5, 20), (62_500, 250_000, 500_000, 1_000_000, B_SIZE), (0, 10, 20), ("bfpp", "nodp"), (), False, 1, 2, 4
+)
 FULL = Points(
     (0, 5, 10, 20, 40),
     (62_500, 125_000, 250_000, 500_000, 1_000_000, B_SIZE),
     (0, 10, 20, 40),
     ("bfpp", "nodp", "LoopedBFS", "LoopedBFS_reshard"),
     (60, 80),
+    True,
     3,
     2,
     5,
@@ -124,6 +141,11 @@ def host_name(layout: str, forward_ms: float, impl: str) -> str:
 
 def shard_name(param_numel: int, forward_ms: float, impl: str) -> str:
     return f"shard/{param_numel / 1e6:g}M/f{forward_ms:g}/{impl}"
+
+
+def peer_name(m: int, impl: str) -> str:
+    """Section 2 (iv)'s jobs: (b) at 5 ms layers with ``m`` micro-batches, side by side."""
+    return f"peers/m{m}/{impl}"
 
 
 def jobs(points: Points) -> list[Job]:
@@ -176,6 +198,13 @@ def jobs(points: Points) -> list[Job]:
         listed += [shard_job(B_SIZE, forward_ms, impl) for impl in points.shard_ms_impls + extra]
     for forward_ms in points.far_ms:
         listed += [shard_job(B_SIZE, forward_ms, impl) for impl in ("bfpp", "nodp")]
+    if points.peers:
+        for m in PEER_MS:
+            listed += [
+                Job(peer_name(m, impl), group="peers", emulated=emulated(5.0, B_SIZE),
+                    **{**B_LAYOUT, "m": m, **PEER_IMPLS[impl]}, **steps)
+                for impl in PEER_IMPLS
+            ]  # fmt: skip
     listed += [
         Job("machine/two_after", label="two independent processes (after)", processes=2, **capacity),
         Job("machine/one_after", label="one process (after)", processes=1, **capacity),
@@ -847,6 +876,69 @@ def ceiling_section(measured: dict[str, Measured], comm: dict[str, Any]) -> tupl
     return lines, data
 
 
+def peers_section(measured: dict[str, Measured]) -> tuple[list[str], dict[str, Any]]:
+    """(b) against torch's schedules + FSDP2 over micro-batch counts, each sharding of bfpp beside the peers
+    that hold weights as long as it does, and what gather volume predicts for FSDP2's default resharding."""
+    table = {m: {impl: measured.get(peer_name(m, impl)) for impl in PEER_IMPLS} for m in PEER_MS}
+    if not any(x is not None and x.step for row in table.values() for x in row.values()):
+        return [], {}
+    data: dict[str, Any] = {}
+    lines = [
+        f"(iv) (b) with {', '.join(map(str, PEER_MS))} micro-batches, 5 ms layers, every row of a micro-batch count"
+        " run side by side: with FSDP2's default resharding torch's schedules gather a stage's weights for every"
+        " micro-batch's forward, bfpp once per sweep. And each sharding of bfpp beside the torch schedules that"
+        " keep weights as long: `full_shard` releases a stage after each visit, as FSDP2's default does after each"
+        " forward; `shard_grad_op` keeps it from its forward to its backward, as `reshard_after_forward=False`"
+        " does. × bfpp: median step over bfpp `full_shard`'s at the same micro-batch count (and over bfpp"
+        " `shard_grad_op`'s).",
+        "",
+        "| micro-batches | implementation | weight gathers/step | step ms, median (min–max) | × bfpp full_shard |"
+        " × bfpp shard_grad_op | peak MiB/rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    volume = []
+    for m, row in table.items():
+        ours, zero2 = row["bfpp"], row["bfpp_zero2"]
+        entry: dict[str, Any] = {}
+        for impl, x in row.items():
+            if x is None or x.step is None:
+                continue
+            versus = x.step / ours.step if ours is not None and ours.step else None
+            versus2 = x.step / zero2.step if zero2 is not None and zero2.step else None
+            entry[impl] = {"step_ms": x.step, "gathers": x.row.gathers_per_step, "x_bfpp": versus,
+                           "x_bfpp_zero2": versus2, "peak_mib": x.row.peak_mib}  # fmt: skip
+            lines.append(
+                f"| {m} | {PEER_IMPLS[impl]['label']} | {_num(x.row.gathers_per_step, 0)} | {_spread(x)} |"
+                f" {_num(versus)} | {_num(versus2)} | {_num(x.row.peak_mib, 1)} |"
+            )
+        data[f"m{m}"] = entry
+        mine, lbfs, lbfs_r = (entry.get(k) for k in ("bfpp", "LoopedBFS", "LoopedBFS_reshard"))
+        if not (mine and lbfs and lbfs_r and lbfs_r["gathers"] and lbfs["gathers"] is not None):
+            continue
+        extra = lbfs_r["gathers"] - lbfs["gathers"]
+        if not extra:
+            continue
+        # one gather's cost inside LoopedBFS's steps: its two settings differ only in gathers
+        per_gather = (lbfs_r["step_ms"] - lbfs["step_ms"]) / extra
+        more = lbfs_r["gathers"] - (mine["gathers"] or 0.0)
+        predicted = (mine["step_ms"] + more * per_gather) / mine["step_ms"]
+        entry["volume"] = {"per_gather_ms": per_gather, "more_gathers": more, "predicted": predicted}
+        volume.append(f"| {m} | {more:+.0f} | {per_gather:.1f} | {predicted:.2f}× | **{lbfs_r['x_bfpp']:.2f}×** |")
+    if volume:
+        lines += [
+            "",
+            "LoopedBFS with FSDP2's default resharding against bfpp `full_shard`: what gather volume predicts, `(bfpp"
+            " step + (its gathers − bfpp's) × one gather) / bfpp step`, one gather costing what an extra gather cost"
+            " inside LoopedBFS's steps at the same micro-batch count (its two settings differ only in gathers):",
+            "",
+            "| micro-batches | gathers more than bfpp | ms per extra gather | predicted by volume | measured |",
+            "|---|---|---|---|---|",
+            *volume,
+        ]
+    lines.append("")
+    return lines, data
+
+
 # -- section 3: the machine -----------------------------------------------------------------------------------
 
 
@@ -959,7 +1051,10 @@ def main() -> None:
             parser.error("--merge adds --only's jobs to the last run of the same mode (--quick or --full)")
         added = measure(args)
         run["attempts"].update(added["attempts"])
-        run.setdefault("merged", []).append({k: added[k] for k in ("command", "date", "elapsed_s", "machine")})
+        jobs = sorted(added["attempts"])
+        # a merge whose every job this one measured again no longer contributes a row
+        kept = [m for m in run.get("merged", []) if not set(m.get("jobs", [""])) <= set(jobs)]
+        run["merged"] = [*kept, {**{k: added[k] for k in ("command", "date", "elapsed_s", "machine")}, "jobs": jobs}]
         RUN_FILE.write_text(json.dumps(run))
     else:
         run = measure(args)
@@ -1029,6 +1124,7 @@ def write_report(run: dict[str, Any], out: Path) -> None:
     comm, comm_data = comm_section(measured)
     sweep, sweep_data = sweep_section(measured, points)
     ceiling, ceiling_data = ceiling_section(measured, comm_data)
+    peers, peers_data = peers_section(measured)
     command, elapsed = run["command"], run["elapsed_s"]
     parts = [
         "# Physical limits of the benchmark machine, and the nearest feasible points",
@@ -1065,13 +1161,14 @@ def write_report(run: dict[str, Any], out: Path) -> None:
         *comm,
         *sweep,
         *ceiling,
+        *peers,
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "limits.md").write_text("\n".join(parts))
     payload = {
         "command": command, "date": run["date"], "elapsed_s": elapsed, "points": asdict(points), "machine": machine,
         "host": host_data, "phases": phase_data, "traces": trace_data, "comm": comm_data, "sweep": sweep_data,
-        "ceiling": ceiling_data,
+        "ceiling": ceiling_data, "peers": peers_data,
         "rows": [{**asdict(m.row), "cpu_ms": asdict(m.cpu_ms) if m.cpu_ms else None, "others_cores": m.others,
                   "quiet_launches": m.quiet} for m in measured.values()],
     }  # fmt: skip
