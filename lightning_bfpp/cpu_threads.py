@@ -1,10 +1,12 @@
 """Each CPU process's share of the node's cores, as torchrun gives it.
 
-torch starts every process with one intra-op thread per core. torchrun then sets ``OMP_NUM_THREADS=1`` for
-each process it starts; Lightning's launchers do not, so ``n`` training processes on a CPU node run ``n``
-times as many threads as there are cores. Any host-side op on a large tensor then spins every process's
-threads against the others': on the emulated benchmark (4 processes on 2 cores, 1 MiB activations) the
-step was 790–850 ms instead of 640–655 ms. :func:`share_cores` caps each process at its share unless the
+torch starts every process with one intra-op thread per core. torchrun sets ``OMP_NUM_THREADS=1`` for each
+process it starts. Lightning's subprocess launcher (Lightning 2.6) caps only the process that launches the
+others: it sets ``OMP_NUM_THREADS`` after starting them, and they, started with ``LOCAL_RANK`` set, run no
+launcher of their own, so every other process of the node keeps one thread per core (measured: 1, 2, 2, 2
+threads on 4 processes over 2 cores). Any host-side op on a large tensor then spins their threads against
+each other: on the emulated benchmark (4 processes on 2 cores, 1 MiB activations) the step was 790–850 ms
+instead of 640–655 ms with one thread each. :func:`share_cores` caps each process at its share unless the
 user chose a thread count through ``OMP_NUM_THREADS``.
 """
 

@@ -221,8 +221,9 @@ def test_a_steady_step_meets_the_other_ranks_in_one_small_collective(name, resul
 
 
 def test_cpu_processes_share_the_cores(results):
-    """Launched without OMP_NUM_THREADS, as Lightning launches, each of the 4 CPU processes runs its share of
-    the cores, as under torchrun, instead of torch's default of one thread per core each."""
+    """Launched without OMP_NUM_THREADS, each of the 4 CPU processes runs its share of the cores, as under
+    torchrun. Lightning's launcher caps only itself (rank 0): without the strategy's cap ranks 1–3 kept torch's
+    default of one thread per core."""
     from lightning_bfpp.cpu_threads import available_cores, threads_per_process
 
     _, res = results

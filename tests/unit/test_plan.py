@@ -165,6 +165,8 @@ def test_runtime_calibration_fits_per_action_and_per_step_costs():
     per_action, per_step = fit_runtime_costs(rows)
     assert per_step == 0.0
     assert per_action == pytest.approx((46 * 0.040 + 142 * 0.150) / (46**2 + 142**2))
+    with pytest.raises(ValueError, match="must differ"):
+        fit_runtime_costs([rows[0], rows[0]])
     for devices in (2, 4, 8):  # the two layouts use every process and differ only in actions per rank (4×)
         few, many = runtime_configs(devices)
         assert few.pipeline_parallel_size * few.data_parallel_size == devices
