@@ -139,8 +139,8 @@ def calibrate(
 ) -> tuple[Cluster, dict[str, list[tuple[int, float]]]]:
     """Measure ``devices`` local processes; return the cluster and the raw timings.
 
-    ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only, seconds instead of
-    a minute or two).
+    ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only: seconds, where the
+    runtime's six emulated training jobs take minutes).
     """
     if devices < 2 or not 2 <= group_size <= devices:
         raise ValueError("calibration needs at least 2 devices and a group size between 2 and the device count")
