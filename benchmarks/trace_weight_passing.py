@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 import lightning as L
-import torch
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.plan.emulated import EmulatedModel, EmulatedNet, emulated_loader
@@ -24,9 +23,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/trace_weight_passing")
     args = parser.parse_args()
-    # one intra-op thread per process (every rank runs this), as torchrun sets: with one per core, the host-side
-    # ops on 1 MiB activations spin every process's threads against each other on a few shared cores
-    torch.set_num_threads(1)
     steps, microbatches, world = 4, 2, 4
     strategy = BFPPStrategy(
         schedule="weight_passing",

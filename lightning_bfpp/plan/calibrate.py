@@ -12,8 +12,8 @@
   10 ms, :mod:`~lightning_bfpp.plan.emulated`) on all the processes in two layouts, the second with 4× more
   schedule actions per rank, three times each, alternating. What the two layouts' median step times have
   beyond the simulated ones gives the host cost per schedule action and per step (Python, the step's
-  collective, Lightning's loop), which grow with the
-  process count and are what the simulation would otherwise miss on small layers. The layers are long
+  collective, Lightning's loop), which grow with the process count and are what the simulation would
+  otherwise miss on small layers. The layers are long
   enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
   layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
   for the cores (180 ms per step instead of about 10).

@@ -210,6 +210,8 @@ def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(mon
     assert order == [few.num_microbatches, many.num_microbatches] * 3  # alternating, so drift reaches both
     assert [r["measured_s"] for r in rows] == [0.11, 0.32]  # the medians: the disturbed round is dropped
     assert [r["rounds_s"] for r in rows] == [steps[few.num_microbatches], steps[many.num_microbatches]]
+    # each run weighted by its actions on the critical path, more than a rank's own (see cost_weights)
+    assert all(r["action_weight"] > r["actions"] for r in rows)
     assert (cluster.action_overhead_s, cluster.step_overhead_s) == pytest.approx(calibration.fit_runtime_costs(rows))
     with pytest.raises(ValueError, match="at least one round"):
         calibration.measure_runtime(2, links, rounds=0)
