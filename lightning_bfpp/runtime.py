@@ -5,8 +5,9 @@ lowered action lists: torch adds the point-to-point sends and receives (``_add_s
 forwards, backwards, FSDP2 unshard/reshard and gradient reductions. What is written here is what torch's
 public schedule classes do not offer: a schedule chosen by us (torch's ``ScheduleLoopedBFS`` hard-codes a
 three-stage unshard window and its own ordering), micro-batches split by the caller (any batch structure,
-not only tensors), and stage metadata inference that neither runs the user's step on fake data nor drops
-gradients accumulated over earlier steps.
+not only tensors), stage metadata inference that neither runs the user's step on fake data nor drops
+gradients accumulated over earlier steps, and, on gloo, every receive of a step posted when the step starts
+(:func:`post_receives_first`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
@@ -52,12 +54,40 @@ def build_stages(
     ]
 
 
+_RECEIVES = (TorchKind.RECV_F, TorchKind.RECV_B)
+
+
+def post_receives_first(actions: Sequence[TorchAction | None]) -> list[TorchAction | None]:
+    """The same actions with every receive moved to the front, in their original order.
+
+    torch's lowering (``_add_send_recv``) posts each receive just before the compute that consumes it. gloo's
+    TCP transport moves a point-to-point message only once its receive is posted (the sender announces the
+    send, the receiver answers when its receive exists, and only then does the payload travel), so a receive
+    posted that late puts the handshake, the transfer and two wake-ups of gloo's I/O threads between the
+    producer's end and the consumer's start, on the critical path. Posted when the step starts, each transfer
+    runs as soon as its sender is done. gloo matches a pair of ranks' messages in the order each posted them,
+    so keeping the receives' relative order keeps every match; torch allocates each micro-batch's receive
+    buffers apart, so they never alias. Not for NCCL: there a posted receive occupies the communicator's
+    stream, and a later send behind it could wait on a receive that waits on that send.
+    """
+    receives = [a for a in actions if a is not None and a.computation_type in _RECEIVES]
+    return receives + [a for a in actions if a is None or a.computation_type not in _RECEIVES]
+
+
+def transfers_independent(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether this group's point-to-point transfers of ``device`` tensors progress independently of each
+    other (gloo, on CPU), so that receives may be posted ahead (:func:`post_receives_first`)."""
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
 class PlannedSchedule(PipelineRuntime):
     """torch's pipeline runtime driven by a lowered lightning_bfpp schedule.
 
     ``loss_fn(output, microbatch_index)`` is called on the last stage for every micro-batch; while torch
     infers the stages' input and output shapes on the first run, :attr:`inferring_metadata` is True and
-    the loss function must not run user code (its inputs are not data).
+    the loss function must not run user code (its inputs are not data). ``early_receives`` posts every
+    receive when the step starts (:func:`post_receives_first`); by default, where the pipeline group's
+    transfers allow it (:func:`transfers_independent`).
     """
 
     def __init__(
@@ -70,6 +100,7 @@ class PlannedSchedule(PipelineRuntime):
         pipeline_parallel_size: int,
         backward: bool,
         reductions: GradientReductions | None = None,
+        early_receives: bool | None = None,
     ) -> None:
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         num_stages = stages[0].num_stages
@@ -77,6 +108,11 @@ class PlannedSchedule(PipelineRuntime):
         lowered = {rank: [to_torch_action(a) for a in actions] for rank, actions in schedule.items()}
         # torch adds the sends and receives; the data-parallel actions stay where our lowering put them
         with_comms = add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages)
+        if early_receives is None:
+            early_receives = transfers_independent(stages[0].group, stages[0].device)
+        if early_receives:
+            with_comms = {rank: post_receives_first(actions) for rank, actions in with_comms.items()}
+        self.early_receives = early_receives
         self.install_plan(with_comms, mapping, backward=backward)
         if backward and reductions is not None:
             # REDUCE_GRAD overlaps the remaining backward (see lightning_bfpp.reductions)

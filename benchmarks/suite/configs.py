@@ -31,6 +31,7 @@ EMULATED_A = Emulated(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=1
 EMULATED_B = replace(EMULATED_A, param_numel=2_000_000)
 GPT = GPTSpec(layers=8, dim=128, heads=4, block_size=16)
 GPT_MICROBATCH = 32
+LATE_RECEIVES = "bfpp schedule by hand, each receive posted just before its consumer (torch's placement)"
 
 
 def jobs(full: bool) -> list[Job]:
@@ -79,9 +80,13 @@ def jobs(full: bool) -> list[Job]:
         Job("c/two_after", label="two independent processes (after)", processes=2, **capacity),
         Job("c/one_after", label="one process (after)", processes=1, **capacity),
     ]
-    if full:  # schedule and sharding variants of bfpp itself
+    if full:  # schedule, sharding and receive-placement variants of bfpp itself
         group_a.insert(2, Job("a/bfpp_depth_first", kind="bfpp", label="bfpp depth_first (Lightning)",
                               schedule="depth_first", **a))
+        group_a.insert(3, Job("a/bfpp_hand_late", kind="bfpp_hand", label=LATE_RECEIVES, early_receives=False,
+                              **a))
+        group_c.insert(4, Job("c/bfpp_hand_late", kind="bfpp_hand", label=LATE_RECEIVES, early_receives=False,
+                              **c_pipe))
         group_b.insert(3, Job("b/bfpp_shard_grad_op", kind="bfpp", label="bfpp shard_grad_op (Lightning)",
                               **dict(b, sharding="shard_grad_op")))
     listed = group_a + group_b + group_c
@@ -131,6 +136,14 @@ def targets(rows: list[Row]) -> list[str]:
             f"- **(a)** bfpp at p=4 v=2 m=4, dp=1: **{a_bound / a:.2f}** of the analytic bound ({a_bound:.0f} ms"
             f" against a median step of {a:.0f} ms)."
         )
+        peers = [(step(r.name), r.label) for r in rows if r.ok and r.group == "a" and r.label.startswith("torch ")]
+        peers = [(ms, label) for ms, label in peers if ms]
+        if peers:
+            fastest, label = min(peers)
+            lines.append(
+                f"- **(a)** the fastest of torch's schedules on the same job, {label}, takes **{fastest / a:.3f}×**"
+                f" bfpp's step ({fastest:.0f} ms)."
+            )
     else:
         lines.append("- **(a)**: not measured in this run.")
     b, nodp, b_bound = step("b/bfpp"), step("b/bfpp_nodp"), bound("b/bfpp")
@@ -171,6 +184,13 @@ def targets(rows: list[Row]) -> list[str]:
     else:
         lines.append("- **(c)**: not measured in this run.")
     for layout, group in (("(a)'s", "a"), ("(c)'s", "c")):
+        early, late = step(f"{group}/bfpp_hand"), step(f"{group}/bfpp_hand_late")
+        if early and late:
+            lines.append(
+                f"- On {layout} layout, the schedule by hand with each receive posted just before its consumer"
+                f" (torch's placement) takes **{late / early:.2f}×** the step with every receive posted when the"
+                f" step starts (bfpp's placement on gloo; {late:.1f} ms against {early:.1f} ms)."
+            )
         through, by_hand = step(f"{group}/bfpp"), step(f"{group}/bfpp_hand")
         if through and by_hand:
             lines.append(

@@ -83,6 +83,9 @@ class Job:
     overlap_reductions: bool | str = "auto"
     # bfpp kinds: BFPPStrategy(prefetch_stages=...), upcoming stages whose weight gathers are in flight
     prefetch_stages: int = 1
+    # bfpp_hand: PlannedSchedule(early_receives=...): None is bfpp's default (on gloo every receive is posted when
+    # the step starts), False torch's placement (each receive just before its consumer)
+    early_receives: bool | None = None
     model: Literal["emulated", "gpt"] = "emulated"
     emulated: Emulated = field(default_factory=Emulated)
     gpt: GPTSpec = field(default_factory=GPTSpec)

@@ -206,6 +206,7 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
         loss_fn,
         pipeline_parallel_size=job.p,
         backward=True,
+        early_receives=job.early_receives,
     )
     optimizer = parts.optimizer([p for module in modules for p in module.parameters()])
     clock, spans = StepClock(job.warmup), _Spans(job, rank)

@@ -233,3 +233,17 @@ def test_cpu_processes_share_the_cores(results):
         pytest.skip("one core: torch's default is already the share")
     for run in res.values():
         assert [r["holdings"]["intra_op_threads"] for r in run.ranks] == [share] * 4
+
+
+def test_gloo_pipelines_post_every_receive_when_the_step_starts(results):
+    """On gloo a point-to-point message travels only once its receive is posted, so every schedule a rank
+    builds posts all its receives before its first compute (torch's lowering posts each just before its
+    consumer). Every training run in this file's launches exercises it against the single-process reference."""
+    _, res = results
+    for run in res.values():
+        for rank in run.ranks:
+            placements = rank["holdings"]["receive_placement"]
+            assert placements, "no pipeline schedule was built"
+            for placement in placements:
+                assert placement["early"] and placement["receives"] > 0
+                assert placement["leading"] == placement["receives"]

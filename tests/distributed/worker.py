@@ -233,6 +233,22 @@ class EventLog:
         self.events.append([self.step, what, self.stage_of(fsdp_params), None])
 
 
+def _receive_placement(strategy: Any) -> list[dict[str, Any]]:
+    """For each pipeline schedule this rank built: whether it posts receives early, how many receives its
+    action list holds, and how many of them come before its first other action."""
+    from lightning_bfpp.runtime import PlannedSchedule
+
+    placements = []
+    for schedule in strategy.pipeline._schedules.values():
+        if not isinstance(schedule, PlannedSchedule):
+            continue
+        actions = [a for a in schedule.pipeline_order_with_comms[strategy.pipeline_rank] if a is not None]
+        is_receive = [a.computation_type.name in ("RECV_F", "RECV_B") for a in actions]
+        leading = next((i for i, r in enumerate(is_receive) if not r), len(is_receive))
+        placements.append({"early": schedule.early_receives, "receives": sum(is_receive), "leading": leading})
+    return placements
+
+
 class Probe(L.Callback):
     """Ties the event log to training steps and checks what each rank holds after setup."""
 
@@ -314,6 +330,7 @@ class Probe(L.Callback):
             and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
         )
         self.holdings["hooked_steps"] = sorted(self.events.hooked_steps)
+        self.holdings["receive_placement"] = _receive_placement(trainer.strategy)
         for handle in self._hooks:
             handle.remove()
         if "layer_probe" in self.holdings:

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_bfpp import _compat, _lightning_compat
 from lightning_bfpp.layers import StageModule
-from lightning_bfpp.runtime import PlannedSchedule, build_stages, to_torch_action
+from lightning_bfpp.runtime import PlannedSchedule, build_stages, post_receives_first, to_torch_action
 from lightning_bfpp.schedule import Action, Kind, breadth_first, forward_only, lower
 from lightning_bfpp.trace import StepTracer
 
@@ -51,6 +51,20 @@ def test_torch_adds_matched_sends_and_receives_to_our_plan():
     ]
     # a receive is posted before the compute that consumes it
     assert text[1].index("1RECV_F0") < text[1].index("1F0")
+
+
+def test_receives_posted_first_keep_their_order():
+    """gloo matches a pair's messages in the order each side posted them: moving the receives to the front
+    must keep their relative order and every other action's."""
+    p, v, m = 2, 2, 3
+    lowered = lower(breadth_first(p, v, m), "full_shard", m)
+    torch_plan = {r: [to_torch_action(a) for a in acts] for r, acts in lowered.items()}
+    with_comms = _compat.add_send_recv(torch_plan, stage_to_rank=lambda s: s % p, num_stages=p * v)
+    for actions in with_comms.values():
+        early = post_receives_first(actions)
+        receives = [str(a) for a in actions if "RECV" in str(a)]
+        others = [str(a) for a in actions if "RECV" not in str(a)]
+        assert receives and [str(a) for a in early] == receives + others
 
 
 @pytest.fixture(scope="module")
