@@ -15,7 +15,13 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_bfpp import _compat, _lightning_compat
 from lightning_bfpp.layers import StageModule
-from lightning_bfpp.runtime import PlannedSchedule, build_stages, post_receives_first, to_torch_action
+from lightning_bfpp.runtime import (
+    PlannedSchedule,
+    build_stages,
+    post_receives_first,
+    to_torch_action,
+    transfers_independent,
+)
 from lightning_bfpp.schedule import Action, Kind, breadth_first, forward_only, lower
 from lightning_bfpp.trace import StepTracer
 
@@ -65,6 +71,13 @@ def test_receives_posted_first_keep_their_order():
         receives = [str(a) for a in actions if "RECV" in str(a)]
         others = [str(a) for a in actions if "RECV" not in str(a)]
         assert receives and [str(a) for a in early] == receives + others
+
+
+def test_receives_are_posted_early_only_where_transfers_are_independent(one_process):
+    """gloo on CPU tensors: yes. CUDA tensors go through NCCL, where a receive posted early holds the
+    communicator's stream and could deadlock against a later send: torch's placement must be kept."""
+    assert transfers_independent(dist.group.WORLD, torch.device("cpu"))
+    assert not transfers_independent(dist.group.WORLD, torch.device("cuda"))
 
 
 @pytest.fixture(scope="module")
