@@ -136,8 +136,8 @@ def targets(rows: list[Row]) -> list[str]:
             f"- **(a)** bfpp at p=4 v=2 m=4, dp=1: **{a_bound / a:.2f}** of the analytic bound ({a_bound:.0f} ms"
             f" against a median step of {a:.0f} ms)."
         )
-        peers = [(step(r.name), r.label) for r in rows if r.ok and r.group == "a" and r.label.startswith("torch ")]
-        peers = [(ms, label) for ms, label in peers if ms]
+        torch_rows = [r for r in rows if r.ok and r.group == "a" and r.label.startswith("torch ")]
+        peers = [(ms, r.label) for r in torch_rows if (ms := step(r.name))]
         if peers:
             fastest, label = min(peers)
             lines.append(
