@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick                     # every configuration once, 2–4 minutes on 2 cores
     python -m benchmarks.run --full                      # three interleaved rounds, longer, variants: ~10 min
     python -m benchmarks.run --quick --only a/bfpp       # one job (or a group: --only a), well under a minute
+    python -m benchmarks.run --full --rounds 6 --only a/bfpp,a/bfpp_hand   # (d) on (a), round by round: 2 min
 
 Writes ``results.md`` (tables, the four judged ratios, the command, the date and the machine as measured),
 ``results.png`` and ``results.json`` to ``--out`` (default ``docs/benchmarks``; with ``--only``,
@@ -100,6 +101,11 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated job names or groups (a, b, c), e.g. 'a/bfpp' or 'b'")
     parser.add_argument("--out", type=Path, help="where results.md/png/json go (default: docs/benchmarks)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds (default: 3 with --full, 1 with --quick), e.g. 6 to narrow a ratio",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="MODEL.KNOB=VALUE",
         help="change a model knob for every job of that model, e.g. emulated.forward_ms=10,"
         " emulated.param_numel=4000000, emulated.activation_numel=65536, gpt.dim=256 (repeatable)",
@@ -108,7 +114,7 @@ def main() -> None:
     out: Path = args.out or (REPO / ("runs/benchmarks" if args.only else "docs/benchmarks"))
     raw = REPO / "runs/benchmarks/raw"
     selected = [_with_knobs(job, args.set) for job in _select(configs.jobs(full=args.full), args.only)]
-    rounds = 3 if args.full else 1
+    rounds = args.rounds or (3 if args.full else 1)
 
     load_before = os.getloadavg()
     sleep_ms = _sleep_overshoot_ms()
@@ -177,8 +183,9 @@ def _markdown(
             " pipeline), over the median step. Busy: time the emulated layers slept; bubble: waiting for"
             " pipeline neighbours; exposed comm: blocked in collectives or waiting for a weight gather (shares of"
             " the step, mean over ranks). Collectives and point-to-point sends per rank and step; bytes are each"
-            " collective's full buffer. Peak: live host memory during the timed steps above its level before"
-            " the first step (parameters and what setup left), largest rank.",
+            " collective's full buffer. Peak: live host memory during the warm-up steps after the first (read"
+            " there, not in the timed steps, whose host time the reads would lengthen) above its level before the"
+            " first step (parameters and what setup left), largest rank.",
             "",
             report.pipeline_table(emulated),
             "",

@@ -16,7 +16,6 @@ precision checks, ``is_distributed``) and replaces what assumes a whole model pe
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -698,10 +697,7 @@ class BFPPStrategy(ModelParallelStrategy):
             result.batch_description,
             stop_requested=self._sigterm_noted(),
         )
-        with warnings.catch_warnings():
-            # the values are already reduced over replicas; Lightning's advice to sync them does not apply
-            warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
-            replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
+        replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
         return loss
 
     def _clip_grad_by_norm(self, plugin: Precision, optimizer: Optimizer, clip_val: float) -> None:

@@ -13,8 +13,9 @@ re-done here because tests/ is not a library):
   bytes) and the time spent waiting for a neighbour's activations or gradients, the pipeline bubble;
 - emulated layers add their sleeping time to :data:`COUNTERS` themselves (the emulated accelerator's busy time).
 
-Peak memory (:class:`PeakMemory`) is the most live host memory a timed step held above the level before the
-first step, read from malloc at the same points.
+Peak memory (:class:`PeakMemory`) is the most live host memory a step held above the level before the first
+step, read from malloc at the same points during the warm-up steps after the first (reading it costs the host
+enough to slow the steps it is read in, so the timed steps do not).
 """
 
 from __future__ import annotations
@@ -189,13 +190,21 @@ def _malloc_in_use() -> Callable[[], int] | None:
 
 
 class PeakMemory:
-    """The most live host memory a timed step held, above the level before the first step.
+    """The most live host memory a step held, above the level before the first step.
 
     torch's CPU tensors come straight from malloc, so malloc's bytes in use follow live tensors; the resident
     size does not (freed blocks stay in glibc's heap), and forcing every large block through mmap to make it
     would turn each allocation into page faults and slow the very steps being measured. So the level is read
-    (under a microsecond) at the points where a step's memory peaks: every emulated layer's forward and
-    backward, every GPT layer's forward, every collective, weight-gather wait and point-to-point wait.
+    at the points where a step's memory peaks: every emulated layer's forward and backward, every GPT layer's
+    forward, every collective, weight-gather wait and point-to-point wait.
+
+    Reading it is not free: ``mallinfo2`` walks every free chunk of every arena, 70–220 µs per read in a
+    pipeline rank, dozens of reads per step. Read in the timed steps, it added 9–16 ms of host CPU per rank
+    and step to (a)'s layout and lengthened its steps by 4–7%. So the level is read in the untimed warm-up
+    steps after the first (see :class:`StepClock`): every step of a run holds the same tensors, and those
+    start with the previous step's gradients and optimizer state, as the timed steps do. Where asynchronous
+    communication decides when a buffer is freed (FSDP2 under torch's schedules), the peak varies from step to
+    step by up to one layer's weights; the full suite runs three such steps per launch.
 
     The baseline is taken before the first step, where no implementation holds gradients yet (Lightning frees
     them at the start of the next step, a plain loop at the end of its own), so what stays allocated between
@@ -213,6 +222,9 @@ class PeakMemory:
 
     def start_sampling(self) -> None:
         self.sampling = self._in_use is not None
+
+    def stop_sampling(self) -> None:
+        self.sampling = False
 
     def sample(self) -> None:
         if self.sampling:
@@ -236,11 +248,17 @@ class StepClock:
         self.phases: list[dict[str, Any]] = []
 
     def mark(self) -> None:
-        """Call at the start of every step, and once after the last."""
+        """Call at the start of every step, and once after the last.
+
+        Peak memory is sampled during the warm-up steps after the first (the first step alone with fewer than two
+        warm-up steps), so that the timed steps do not pay for reading it (:class:`PeakMemory`).
+        """
         if not self.marks:
             MEMORY.set_baseline()
-        if len(self.marks) == self.warmup:
+        if len(self.marks) == min(1, max(self.warmup - 1, 0)):
             MEMORY.start_sampling()
+        elif len(self.marks) == max(self.warmup, 1):
+            MEMORY.stop_sampling()
         self.marks.append({"t": time.perf_counter(), "cpu_s": time.process_time(), **COUNTERS.snapshot()})
 
     def phase(self, name: str) -> None:

@@ -11,8 +11,8 @@ schedules, are dropped):
   includes waiting there for slower ranks) or waiting for a weight gather, likewise; busy: time the emulated
   layers slept, likewise, and their overrun: slept over nominal time, minus one;
 - collectives and point-to-point sends: per rank and step, mean over ranks;
-- peak memory: live host memory (malloc's) during the timed steps above its level before the first step,
-  largest rank.
+- peak memory: live host memory (malloc's) during the warm-up steps after the first, above its level before the
+  first step, largest rank (read there only: reading it in the timed steps would lengthen them).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class Row:
     global_rows: int
     launches: int = 0
     step_ms: Spread | None = None
+    launch_step_ms: list[float] = field(default_factory=list)  # each successful launch's median step, in order
     samples_per_s: Spread | None = None
     bound_ms: float | None = None
     efficiency: float | None = None
@@ -107,6 +108,7 @@ def summarize(job: Job, launches: list[list[dict[str, Any]]]) -> Row:
         row.launches += 1
         intervals = [_intervals(r) for r in records]
         steps += intervals[0]
+        row.launch_step_ms.append(1e3 * statistics.median(intervals[0]))
         if job.kind == "independent":  # every process trains on its own: throughputs add up
             throughputs += [sum(job.microbatch_size / ivs[i] for ivs in intervals) for i in range(len(intervals[0]))]
         else:

@@ -210,13 +210,13 @@ def test_logger_on_rank_zero_writes_the_last_stage_loss(results):
 @pytest.mark.parametrize("name", ["full_m4", "replicated"])
 def test_a_steady_step_meets_the_other_ranks_in_one_small_collective(name, results):
     """Outside the pipeline's transfers and FSDP2's gathers and reductions, a step whose schedule is built costs
-    one collective: the all-gather that shares failures, batch shapes and logged values (step 1 builds the
+    one collective: the all-to-all that shares failures, batch shapes and logged values (step 1 builds the
     schedule, with its check before; step 2 is steady, and the end of the run follows step 3)."""
     _, res = results
     for rank_result in res[name].ranks:
         per_step = Counter((s, stage) for s, kind, stage, _ in rank_result["events"] if kind == "collective")
         calls = {what: n for (s, what), n in per_step.items() if s == 2}
-        assert calls == {"all_gather_single": 1}, calls
+        assert calls == {"all_to_all_single": 1}, calls
         assert per_step[(1, "all_reduce")] >= 1, "the first step checks the ranks before building its schedule"
 
 

@@ -63,6 +63,7 @@ COLLECTIVES = (
     "all_gather_into_tensor",
     "all_gather_single",
     "all_gather_object",
+    "all_to_all_single",
     "reduce_scatter_tensor",
     "reduce",
     "broadcast",
