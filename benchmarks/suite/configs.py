@@ -116,7 +116,7 @@ def _num(x: float | None) -> str:
 
 
 def _round_ratios(row: Row, reference: Row) -> str:
-    """``; per round: lo–hi`` of the rounds' median steps over the reference's, when both ran every round."""
+    """``; per round lo–hi, median m``: the rounds' median steps over the reference's, when both ran every round."""
     pairs = list(zip(row.launch_step_ms, reference.launch_step_ms, strict=False))
     if len(pairs) < 2 or len(row.launch_step_ms) != len(reference.launch_step_ms):
         return ""
