@@ -5,6 +5,12 @@ and the head on the last, so each stage holds a copy. Every step's loss and grad
 on every step) and every final parameter must equal one device's within 1e-5 in fp32, and the copies must be
 equal to each other, bit for bit: their gradients are summed over the tie, so the optimizer updates them alike.
 
+Clipping at 0.5 (the gradient norms are 1.4–1.5) keeps the clipped gradients away from AdamW's `eps` (1e-8),
+where an element's update follows the last bits of its gradient. At 0.05, on an AVX-512 CPU, one device fed the
+same batches as accumulated micro-batches of 2 ended 1.9e-5 (relative) from one device fed whole batches, in a
+LayerNorm bias, exactly where and as far as the pipeline (micro-batches of 2) ended: reduction order, not the
+pipeline, yet above 1e-5. At 0.5 every run here is within 3e-6 of one device.
+
 4 processes: full_shard (p=2, dp=2, v=2) saving a checkpoint after epoch 1, resumed at (p=4, dp=1, v=1) and at
 (p=1, dp=4, v=2) (owner and copy on one rank), each equal to an uninterrupted one-device run, as is a one-device
 checkpoint file resumed at (p=2, dp=2, v=2); no_shard; shard_grad_op; gradient accumulation; a meta-device
@@ -51,7 +57,7 @@ def run(name: str, layout: str, epochs: int = 1, trainer=None, samples: int = 48
         strategy=dict(strategy),
         model={**TIED_MODEL, "lr": 3e-3},
         data={"num_samples": samples},
-        trainer={"max_epochs": epochs, "max_steps": -1, "gradient_clip_val": 0.05, **(trainer or {})},
+        trainer={"max_epochs": epochs, "max_steps": -1, "gradient_clip_val": 0.5, **(trainer or {})},
         local_batch_size=batch,
         data_parallel_size=dp,
         model_factory="tests.tied_models:tied_net",
