@@ -200,7 +200,10 @@ def _markdown(
             " process. The capacity rows are independent processes (no communication) each training the whole"
             " model on one micro-batch per step, started together: what the machine's cores deliver for this"
             " model right now. They run before and after the pipelined rows; the ratios use the mean of the two"
-            " medians.",
+            " medians. The *each rank alone* rows run bfpp's two ranks' own stages, forward and backward in its"
+            " order over the step's micro-batches and one optimizer step, started together but never waiting for"
+            " each other (a later stage's inputs are made beforehand): the pipeline's compute on these cores"
+            " without its communication and bubble; their step is the slower rank's.",
             "",
             report.throughput_table(real, capacity),
             "",

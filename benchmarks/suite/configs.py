@@ -32,7 +32,10 @@ EMULATED_A = Emulated(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=1
 EMULATED_B = replace(EMULATED_A, param_numel=2_000_000)
 GPT = GPTSpec(layers=8, dim=128, heads=4, block_size=16)
 GPT_MICROBATCH = 32
+GPT_PIPE = dict(p=2, v=2, m=8)  # (c)'s pipeline layout
 LATE_RECEIVES = "bfpp schedule by hand, each receive posted just before its consumer (torch's placement)"
+STAGE_COMPUTE = "bfpp's two ranks' own stages, each rank alone (no communication, no bubble)"
+STAGE_COMPUTE_ONE = f"{STAGE_COMPUTE}, one micro-batch's activations alive at a time"
 
 
 def jobs(full: bool) -> list[Job]:
@@ -42,7 +45,7 @@ def jobs(full: bool) -> list[Job]:
     b = dict(group="b", processes=4, p=2, v=4, m=2, dp=2, emulated=EMULATED_B)
     b_flat = dict(b, v=1)
     c = dict(group="c", model="gpt", gpt=GPT, microbatch_size=GPT_MICROBATCH)
-    c_pipe = dict(c, processes=2, p=2, v=2, m=8)
+    c_pipe = dict(c, processes=2, **GPT_PIPE)
     capacity = dict(c, kind="independent", warmup=3, steps=60 if full else 30)
     # fmt: off
     group_a = [
@@ -76,6 +79,7 @@ def jobs(full: bool) -> list[Job]:
     group_c = [  # the machine's capacity before and after the pipelined runs, as it drifts
         Job("c/one_before", label="one process (before)", processes=1, **capacity),
         Job("c/two_before", label="two independent processes (before)", processes=2, **capacity),
+        Job("c/stage_compute", kind="stage_compute", label=STAGE_COMPUTE, **c_pipe),
         Job("c/bfpp", kind="bfpp", label="bfpp (Lightning)", reference=True, **c_pipe),
         Job("c/bfpp_hand", kind="bfpp_hand", label="bfpp schedule by hand", **c_pipe),
         Job("c/two_after", label="two independent processes (after)", processes=2, **capacity),
@@ -86,7 +90,9 @@ def jobs(full: bool) -> list[Job]:
                               schedule="depth_first", **a))
         group_a.insert(3, Job("a/bfpp_hand_late", kind="bfpp_hand", label=LATE_RECEIVES, early_receives=False,
                               **a))
-        group_c.insert(4, Job("c/bfpp_hand_late", kind="bfpp_hand", label=LATE_RECEIVES, early_receives=False,
+        group_c.insert(3, Job("c/stage_compute_one", kind="stage_compute", label=STAGE_COMPUTE_ONE,
+                              **dict(c_pipe, schedule="one_at_a_time")))
+        group_c.insert(6, Job("c/bfpp_hand_late", kind="bfpp_hand", label=LATE_RECEIVES, early_receives=False,
                               **c_pipe))
         group_b.insert(3, Job("b/bfpp_shard_grad_op", kind="bfpp", label="bfpp shard_grad_op (Lightning)",
                               **dict(b, sharding="shard_grad_op")))
@@ -232,12 +238,21 @@ def targets(rows: list[Row]) -> list[str]:
         else:
             lines.append(f"- **(b)** bfpp against LoopedBFS ({setting}): not measured in this run.")
     c, one, capacity = rate(by.get("c/bfpp")), rate(capacity_row(rows, 1)), rate(capacity_row(rows))
+    alone, ceiling = rate(by.get("c/stage_compute")), None
+    if alone and capacity:
+        slots = GPT_PIPE["m"] * GPT_PIPE["v"]
+        ceiling = alone / capacity * slots / (slots + GPT_PIPE["p"] - 1)
     if c and one and capacity:
         lines.append(
             f"- **(c)** bfpp small GPT (p=2 v=2 m=8, 2 processes × 1 thread): {c:.0f} samples/s, **{c / capacity:.2f}**"
             f" of the machine's two-process capacity measured in the same run ({capacity:.0f} samples/s, itself"
             f" {capacity / one:.2f}× one process) and {c / one:.2f}× one process ({one:.0f} samples/s)."
-            + _verdict(f"{c / capacity:.3f}", c / capacity >= TARGET_CAPACITY_C, f"≥ {TARGET_CAPACITY_C}")
+            + _verdict(
+                f"{c / capacity:.3f}",
+                c / capacity >= TARGET_CAPACITY_C,
+                f"≥ {TARGET_CAPACITY_C}",
+                f"the ceiling below is {ceiling:.2f}" if ceiling is not None else "",
+            )
         )
         if capacity < 1.5 * one:
             lines.append(
@@ -246,6 +261,22 @@ def targets(rows: list[Row]) -> list[str]:
             )
     else:
         lines.append("- **(c)**: not measured in this run.")
+    if alone and capacity and ceiling is not None:
+        one_alive = rate(by.get("c/stage_compute_one"))
+        footprint = (
+            f"; holding one micro-batch's activations at a time instead, {one_alive / capacity:.2f}"
+            if one_alive
+            else ""
+        )
+        reached = f", and bfpp reached **{c / capacity / ceiling:.2f}** of that ceiling" if c else ""
+        slots = GPT_PIPE["m"] * GPT_PIPE["v"]
+        lines.append(
+            f"- **(c)**'s ceiling on these cores: bfpp's two ranks computing their own stages in its order, each"
+            f" alone (no communication; started together), deliver **{alone / capacity:.2f}** of the two-process"
+            f" capacity{footprint}. With the schedule's own bubble, `m·v / (m·v + p − 1)` ="
+            f" {slots}/{slots + GPT_PIPE['p'] - 1}, a pipeline can reach at most **{ceiling:.2f}** of the capacity"
+            f" here{reached}."
+        )
     for layout, group in (("(a)'s", "a"), ("(c)'s", "c")):
         early, late = step(f"{group}/bfpp_hand"), step(f"{group}/bfpp_hand_late")
         if early and late:

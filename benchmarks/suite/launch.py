@@ -40,7 +40,7 @@ def launch(job: Job, folder: Path) -> list[dict[str, Any]]:
         stale.unlink()
     ctx = mp.get_context("fork")
     port = free_port()
-    barrier = ctx.Barrier(job.processes) if job.kind == "independent" else None
+    barrier = ctx.Barrier(job.processes) if job.kind in ("independent", "stage_compute") else None
     processes = [
         ctx.Process(target=_child, args=(job.to_json(), rank, port, str(folder), barrier), name=f"{job.name}:{rank}")
         for rank in range(job.processes)

@@ -107,6 +107,8 @@ def summarize(job: Job, launches: list[list[dict[str, Any]]]) -> Row:
             continue
         row.launches += 1
         intervals = [_intervals(r) for r in records]
+        if job.kind == "stage_compute":  # ranks that never wait for each other: a step lasts as long as the slower
+            intervals[0] = [max(step) for step in zip(*intervals, strict=True)]
         steps += intervals[0]
         row.launch_step_ms.append(1e3 * statistics.median(intervals[0]))
         if job.kind == "independent":  # every process trains on its own: throughputs add up

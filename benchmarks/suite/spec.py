@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-Kind = Literal["bfpp", "bfpp_hand", "torch", "fsdp", "independent", "collectives"]
+Kind = Literal["bfpp", "bfpp_hand", "torch", "fsdp", "independent", "stage_compute", "collectives"]
 # torch.distributed.pipelining schedule classes the "torch" kind can drive (ScheduleX without the prefix)
 TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", "gpipe", "1f1b")
@@ -63,6 +63,9 @@ class Job:
     per step. ``schedule`` is a lightning_bfpp schedule name for the bfpp kinds and a torch schedule class
     (``TORCH_SCHEDULES``) for ``torch``; ``collectives`` (:mod:`benchmarks.suite.collectives`: bfpp's weight
     gathers and gradient reductions alone, no compute) issues them ``"waited"`` or ``"async"``.
+    ``stage_compute`` (real compute only) runs each pipeline rank's own stages on its own, started together, with
+    no neighbour: ``schedule`` ``"breadth_first"`` holds every micro-batch's activations as bfpp does,
+    ``"one_at_a_time"`` one micro-batch's.
     """
 
     name: str
@@ -113,6 +116,8 @@ class Job:
             return f"dp={self.processes} (FSDP2, no pipeline)"
         if self.kind == "independent":
             return f"{self.processes} × 1 process, micro-batch {self.microbatch_size}"
+        if self.kind == "stage_compute":
+            return f"p={self.p} v={self.v} m={self.m}, each rank alone"
         text = f"p={self.p} v={self.v} m={self.m} dp={self.dp}"
         if self.dp > 1:
             text += f" {self.sharding}" + (", reshard after forward" if self.reshard_after_forward else "")
@@ -140,7 +145,7 @@ def bound_s(job: Job) -> float | None:
     first micro-batch to come round, ``(m·v + v·(p − m) + m − 1)·(f + b)``. ``v = 1`` gives GPipe's and 1F1B's
     ``(m + p − 1)·(f + b)``. Data parallelism alone has no bubble: a rank's own samples through every layer.
     """
-    if job.model != "emulated" or job.kind in ("independent", "collectives"):
+    if job.model != "emulated" or job.kind in ("independent", "stage_compute", "collectives"):
         return None
     e = job.emulated
     per_layer = (e.forward_ms + e.backward_ms) / 1e3

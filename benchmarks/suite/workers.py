@@ -16,6 +16,10 @@ same loss and optimizer, and mark their steps with the same :class:`~benchmarks.
   global batch;
 - ``independent``: processes without any communication, each training the whole model on one micro-batch per
   step: the machine's capacity for this model, measured in the same run;
+- ``stage_compute``: each pipeline rank's own stages, forward and backward over the step's micro-batches and
+  one optimizer step, with no neighbour (a later stage's inputs and an earlier stage's output gradients are
+  made beforehand): what the pipeline's compute costs on these cores without its communication and bubble,
+  with every micro-batch's activations alive as bfpp holds them or one micro-batch's at a time;
 - ``collectives``: bfpp's weight gathers and gradient reductions of a step alone (:mod:`benchmarks.suite.collectives`).
 
 With ``Job.trace`` bfpp through Lightning writes its steps' timelines there (``BFPPStrategy(trace=...)``), and the
@@ -60,6 +64,8 @@ def run(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
     """Run ``job`` as process ``rank`` and return what this rank measured."""
     if job.kind == "independent":
         return _independent(job, barrier)
+    if job.kind == "stage_compute":
+        return _stage_compute(job, rank, barrier)
     workers: dict[str, Callable[[Job, int], dict[str, Any]]] = {
         "bfpp": _bfpp_lightning,
         "fsdp": _fsdp_lightning,
@@ -276,6 +282,65 @@ def _independent(job: Job, barrier: Barrier | None) -> dict[str, Any]:
         MEMORY.sample()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    clock.mark()
+    return clock.result()
+
+
+def _stage_compute(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
+    parts = model_parts(job)
+    num_stages = job.p * job.v
+    counts = balance_by_weight([sum(p.numel() for p in layer.parameters()) for layer in parts.layers], num_stages)
+    starts = [sum(counts[:s]) for s in range(num_stages + 1)]
+    stages = [nn.Sequential(*parts.layers[starts[s] : starts[s + 1]]) for s in range(num_stages)]
+    mine = rank_stages(rank, job.p, job.v)
+    last = num_stages - 1
+    steps: list[list[dict[str, Any]]] = []  # per step, per micro-batch: each of this rank's stages' input
+    for inputs, targets in _batches(job, parts, 0):
+        micro = []
+        for x, target in zip(inputs.chunk(job.m), targets.chunk(job.m), strict=True):
+            feeds: dict[Any, Any] = {"target": target}
+            with torch.no_grad():
+                for s in range(num_stages):
+                    if s in mine:
+                        feeds[s] = x if s == 0 else x.clone().requires_grad_()
+                    x = stages[s](x)
+            micro.append(feeds)
+        steps.append(micro)
+    modules = {s: stages[s] for s in mine}
+    stages.clear()
+    with torch.no_grad():  # an earlier stage's output gradient: the shape of its output
+        out_grads = {s: torch.randn_like(modules[s](steps[0][0][s])) * 1e-3 for s in mine if s != last}
+    optimizer = parts.optimizer([p for module in modules.values() for p in module.parameters()])
+
+    def forward(s: int, feeds: dict[Any, Any]) -> torch.Tensor:
+        out = modules[s](feeds[s])
+        return parts.loss(out, feeds["target"]) / job.m if s == last else out
+
+    def backward(s: int, out: torch.Tensor) -> None:
+        out.backward() if s == last else out.backward(out_grads[s])
+
+    if barrier is not None:
+        barrier.wait()  # both ranks compute at the same time, as in the pipeline
+    clock = StepClock(job.warmup)
+    for micro in steps:
+        clock.mark()
+        if job.schedule == "one_at_a_time":
+            for feeds in micro:
+                outs = {s: forward(s, feeds) for s in mine}
+                for s in reversed(mine):
+                    backward(s, outs[s])
+        else:  # breadth-first: every micro-batch through a stage before the next stage
+            held = {s: [forward(s, feeds) for feeds in micro] for s in mine}
+            for s in reversed(mine):
+                for out in held.pop(s):
+                    backward(s, out)
+        MEMORY.sample()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for feeds in micro:  # a received input's gradient is sent on, not kept
+            for s in mine:
+                if s:
+                    feeds[s].grad = None
     clock.mark()
     return clock.result()
 

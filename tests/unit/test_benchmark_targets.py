@@ -75,3 +75,14 @@ def test_a_miss_that_rounds_to_the_target_reads_as_a_miss(a_step: float, d_step:
     assert "**not met** in this run " + shown in line
     assert "not met" in _line(lines, "- **(b)** `full_shard`") and "limits.md" in _line(lines, "- **(b)** `full_shard`")
     assert "not met" in _line(lines, "- **(c)**")
+
+
+def test_the_real_compute_ceiling_is_the_ranks_alone_times_the_schedules_own_bubble() -> None:
+    rows = _rows(a_step=345.0, d_step=340.0, dp_step=500.0, looped_step=600.0, c_rate=510.0)
+    rows.append(_row("c/stage_compute", rate=612.0))  # 1.02 of the 600 samples/s capacity
+    lines = configs.targets(rows)
+    ceiling = 1.02 * 16 / 17  # p=2 v=2 m=8: 16 slots of work in 17
+    line = _line(lines, "- **(c)**'s ceiling")
+    assert f"at most **{ceiling:.2f}** of the capacity" in line
+    assert f"bfpp reached **{0.85 / ceiling:.2f}** of that ceiling" in line
+    assert f"the ceiling below is {ceiling:.2f}" in _line(lines, "- **(c)** bfpp small GPT")
