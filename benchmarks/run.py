@@ -98,6 +98,7 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_true", help="every configuration once, 5 timed steps each")
     mode.add_argument("--full", action="store_true", help="three interleaved rounds of 10 timed steps, and variants")
+    mode.add_argument("--replot", action="store_true", help="only draw results.png again from --out's results.json")
     parser.add_argument("--only", help="comma-separated job names or groups (a, b, c), e.g. 'a/bfpp' or 'b'")
     parser.add_argument("--out", type=Path, help="where results.md/png/json go (default: docs/benchmarks)")
     parser.add_argument(
@@ -112,6 +113,9 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     out: Path = args.out or (REPO / ("runs/benchmarks" if args.only else "docs/benchmarks"))
+    if args.replot:
+        _replot(out)
+        return
     raw = REPO / "runs/benchmarks/raw"
     selected = [_with_knobs(job, args.set) for job in _select(configs.jobs(full=args.full), args.only)]
     rounds = args.rounds or (3 if args.full else 1)
@@ -136,12 +140,25 @@ def main() -> None:
     command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.mkdir(parents=True, exist_ok=True)
     title = f"{command}  ({datetime.date.today().isoformat()}, {os.cpu_count()} cores)"
+    _plot(rows, out, title)
+    results = {"command": command, "title": title, "rows": report.to_json(rows)}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(_markdown(rows, jobs, command, elapsed, load_before, sleep_ms))
+    print(f"\nwrote {out / 'results.md'}, results.png, results.json in {elapsed:.0f} s")
+
+
+def _plot(rows: list[report.Row], out: Path, title: str) -> None:
     capacity = configs.capacity_row(rows)
     line = capacity.samples_per_s.median if capacity is not None and capacity.samples_per_s is not None else None
     report.plot(rows, out / "results.png", configs.TITLES, title, reference_line=line)
-    (out / "results.json").write_text(json.dumps({"command": command, "rows": report.to_json(rows)}, indent=1))
-    (out / "results.md").write_text(_markdown(rows, jobs, command, elapsed, load_before, sleep_ms))
-    print(f"\nwrote {out / 'results.md'}, results.png, results.json in {elapsed:.0f} s")
+
+
+def _replot(out: Path) -> None:
+    """``results.png`` drawn again from ``results.json`` (the figures of the run that wrote it)."""
+    results = json.loads((out / "results.json").read_text())
+    title = results.get("title") or results["command"]
+    _plot(report.from_json(results["rows"]), out, title)
+    print(f"wrote {out / 'results.png'} from {out / 'results.json'}")
 
 
 def _markdown(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from matplotlib.figure import Figure
 from benchmarks.suite.spec import Job, bound_s
 
 MIB = 1024 * 1024
+LABEL_WIDTH = 48  # characters per line of a bar's label: long labels would squeeze their panel
 
 
 @dataclass
@@ -184,6 +186,12 @@ def to_json(rows: list[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
 
 
+def from_json(items: list[dict[str, Any]]) -> list[Row]:
+    """The rows :func:`to_json` wrote (``results.json``), to draw them again."""
+    spreads = ("step_ms", "samples_per_s")
+    return [Row(**{k: Spread(**v) if k in spreads and v is not None else v for k, v in item.items()}) for item in items]
+
+
 # -- Markdown -------------------------------------------------------------------------------------------------
 
 
@@ -264,7 +272,8 @@ def plot(rows: list[Row], path: Path, titles: dict[str, str], title: str, refere
     groups = [g for g in titles if any(r.group == g and r.ok for r in rows)]
     if not groups:
         return
-    figure = Figure(figsize=(6.5 * len(groups), 4.8), layout="constrained")
+    most = max(sum(1 for r in rows if r.group == g and r.ok) for g in groups)
+    figure = Figure(figsize=(6.5 * len(groups), max(4.8, 0.55 * most + 1.0)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, len(groups), squeeze=False)[0]
     for ax, group in zip(axes, groups, strict=True):
@@ -277,7 +286,8 @@ def plot(rows: list[Row], path: Path, titles: dict[str, str], title: str, refere
         y = list(range(len(members)))
         colors = ["tab:blue" if r.label.startswith("bfpp") else "tab:gray" for r in members]
         ax.barh(y, values, xerr=[low, high], color=colors, capsize=3)
-        ax.set_yticks(y, [f"{r.label}\n{r.layout}" for r in members], fontsize=7)
+        labels = [f"{textwrap.fill(r.label, LABEL_WIDTH)}\n{r.layout}" for r in members]
+        ax.set_yticks(y, labels, fontsize=7)
         ax.invert_yaxis()
         for i, (r, spread) in enumerate(zip(members, spreads, strict=True)):
             if r.bound_ms is not None:
@@ -287,7 +297,7 @@ def plot(rows: list[Row], path: Path, titles: dict[str, str], title: str, refere
         if reference_line is not None and throughput:
             ax.axvline(reference_line, color="tab:orange", linestyle=":", linewidth=1.2)
         ax.set_xlabel(
-            "samples/s (median, min–max); dots: 2-process capacity"
+            "samples/s (median, min–max); dots: capacity"
             if throughput
             else "step ms (median, min–max); dashes: analytic bound"
         )

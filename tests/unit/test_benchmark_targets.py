@@ -86,3 +86,10 @@ def test_the_real_compute_ceiling_is_the_ranks_alone_times_the_schedules_own_bub
     assert f"at most **{ceiling:.2f}** of the capacity" in line
     assert f"bfpp reached **{0.85 / ceiling:.2f}** of that ceiling" in line
     assert f"the ceiling below is {ceiling:.2f}" in _line(lines, "- **(c)** bfpp small GPT")
+
+
+def test_results_json_reads_back_into_the_rows_it_was_written_from() -> None:
+    from benchmarks.suite import report
+
+    rows = _rows(a_step=345.0, d_step=340.0, dp_step=500.0, looped_step=600.0, c_rate=510.0)
+    assert report.from_json(report.to_json(rows)) == rows
