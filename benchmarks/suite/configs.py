@@ -238,9 +238,9 @@ def targets(rows: list[Row]) -> list[str]:
         else:
             lines.append(f"- **(b)** bfpp against LoopedBFS ({setting}): not measured in this run.")
     c, one, capacity = rate(by.get("c/bfpp")), rate(capacity_row(rows, 1)), rate(capacity_row(rows))
+    slots = GPT_PIPE["m"] * GPT_PIPE["v"]  # of work, in m·v + p − 1 of a breadth-first step
     alone, ceiling = rate(by.get("c/stage_compute")), None
     if alone and capacity:
-        slots = GPT_PIPE["m"] * GPT_PIPE["v"]
         ceiling = alone / capacity * slots / (slots + GPT_PIPE["p"] - 1)
     if c and one and capacity:
         lines.append(
@@ -269,7 +269,6 @@ def targets(rows: list[Row]) -> list[str]:
             else ""
         )
         reached = f", and bfpp reached **{c / capacity / ceiling:.2f}** of that ceiling" if c else ""
-        slots = GPT_PIPE["m"] * GPT_PIPE["v"]
         lines.append(
             f"- **(c)**'s ceiling on these cores: bfpp's two ranks computing their own stages in its order, each"
             f" alone (no communication; started together), deliver **{alone / capacity:.2f}** of the two-process"

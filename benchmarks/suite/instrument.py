@@ -255,9 +255,10 @@ class StepClock:
         """
         if not self.marks:
             MEMORY.set_baseline()
-        if len(self.marks) == min(1, max(self.warmup - 1, 0)):
+        first, end = (1, self.warmup) if self.warmup >= 2 else (0, 1)  # the steps that read memory: [first, end)
+        if len(self.marks) == first:
             MEMORY.start_sampling()
-        elif len(self.marks) == max(self.warmup, 1):
+        elif len(self.marks) == end:
             MEMORY.stop_sampling()
         self.marks.append({"t": time.perf_counter(), "cpu_s": time.process_time(), **COUNTERS.snapshot()})
 

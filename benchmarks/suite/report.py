@@ -109,14 +109,14 @@ def summarize(job: Job, launches: list[list[dict[str, Any]]]) -> Row:
             continue
         row.launches += 1
         intervals = [_intervals(r) for r in records]
-        if job.kind == "stage_compute":  # ranks that never wait for each other: a step lasts as long as the slower
-            intervals[0] = [max(step) for step in zip(*intervals, strict=True)]
-        steps += intervals[0]
-        row.launch_step_ms.append(1e3 * statistics.median(intervals[0]))
+        # rank 0's steps; ranks that never wait for each other (stage_compute) take as long as the slower one
+        launch_steps = [max(t) for t in zip(*intervals, strict=True)] if job.kind == "stage_compute" else intervals[0]
+        steps += launch_steps
+        row.launch_step_ms.append(1e3 * statistics.median(launch_steps))
         if job.kind == "independent":  # every process trains on its own: throughputs add up
-            throughputs += [sum(job.microbatch_size / ivs[i] for ivs in intervals) for i in range(len(intervals[0]))]
+            throughputs += [sum(job.microbatch_size / ivs[i] for ivs in intervals) for i in range(len(launch_steps))]
         else:
-            throughputs += [job.global_rows / s for s in intervals[0]]
+            throughputs += [job.global_rows / s for s in launch_steps]
         for record in records:
             timed = record["marks"][record["warmup"] :]
             first, last = timed[0], timed[-1]

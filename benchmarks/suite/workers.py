@@ -138,6 +138,13 @@ def _fsdp_lightning(job: Job, rank: int) -> dict[str, Any]:
 # -- driven by hand ------------------------------------------------------------------------------------------
 
 
+def _cut(parts: ModelParts, num_stages: int) -> list[nn.Module]:
+    """Every stage of the model, cut as ``BFPPStrategy`` cuts it (parameter counts balanced)."""
+    counts = balance_by_weight([sum(p.numel() for p in layer.parameters()) for layer in parts.layers], num_stages)
+    starts = [sum(counts[:s]) for s in range(num_stages + 1)]
+    return [nn.Sequential(*parts.layers[starts[s] : starts[s + 1]]) for s in range(num_stages)]
+
+
 class _Stages:
     """This rank's part of the job: mesh, stage modules (unsharded), and where the pipeline starts and ends."""
 
@@ -149,13 +156,9 @@ class _Stages:
         self.pipeline_rank = self.mesh[PIPELINE_PARALLEL].get_local_rank()
         self.data_parallel_rank = self.mesh[DATA_PARALLEL].get_local_rank()
         self.num_stages = job.p * job.v
-        weights = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
-        counts = balance_by_weight(weights, self.num_stages)
-        starts = [sum(counts[:s]) for s in range(self.num_stages)]
         self.indices = rank_stages(self.pipeline_rank, job.p, job.v)
-        self.modules: list[nn.Module] = [
-            nn.Sequential(*parts.layers[starts[s] : starts[s] + counts[s]]) for s in self.indices
-        ]
+        stages = _cut(parts, self.num_stages)
+        self.modules: list[nn.Module] = [stages[s] for s in self.indices]
         parts.layers.clear()  # drop the other ranks' layers
         self.first = 0 in self.indices
         self.last = self.num_stages - 1 in self.indices
@@ -289,9 +292,7 @@ def _independent(job: Job, barrier: Barrier | None) -> dict[str, Any]:
 def _stage_compute(job: Job, rank: int, barrier: Barrier | None) -> dict[str, Any]:
     parts = model_parts(job)
     num_stages = job.p * job.v
-    counts = balance_by_weight([sum(p.numel() for p in layer.parameters()) for layer in parts.layers], num_stages)
-    starts = [sum(counts[:s]) for s in range(num_stages + 1)]
-    stages = [nn.Sequential(*parts.layers[starts[s] : starts[s + 1]]) for s in range(num_stages)]
+    stages = _cut(parts, num_stages)
     mine = rank_stages(rank, job.p, job.v)
     last = num_stages - 1
     steps: list[list[dict[str, Any]]] = []  # per step, per micro-batch: each of this rank's stages' input
