@@ -7,10 +7,11 @@ strategies only through its registry, not through package entry points), so afte
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_bfpp.loss import mean_over_items
 from lightning_bfpp.strategy import BFPPStrategy
 
 __version__ = "0.1.0"
 
 BFPPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BFPPStrategy", "__version__"]
+__all__ = ["BFPPStrategy", "__version__", "mean_over_items"]

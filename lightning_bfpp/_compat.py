@@ -1,15 +1,18 @@
-"""Every private torch name lightning_bfpp relies on, in one place, importable without Lightning.
+"""Every private torch and ``transformers`` name lightning_bfpp relies on, in one place, importable without Lightning.
 
 torch's pipelining runtime only accepts custom schedules through private names (its own docs call the
 area alpha and say the CSV loader "will most likely get renamed"). Importing and touching them here, and
 only here, means a torch upgrade breaks one file, and ``tests/unit/test_compat.py`` says which name moved
 (it runs a real ``_PipelineScheduleRuntime`` and checks that torch reads what this module writes). The
-versions in ``pyproject.toml`` are the ones those tests pass on.
+versions in ``pyproject.toml`` are the ones those tests pass on. The few ``transformers`` internals the
+Hugging Face adapter needs are reached through the objects it passes in, so this module does not import
+``transformers`` (an optional dependency).
 
-The engine modules (``runtime``, ``microbatch``, ``sharding``, ``checkpoint``, ``layers``, ``trace``) import
-only this file, so they import without Lightning. Lightning's and torchmetrics' private names live in
-:mod:`lightning_bfpp._lightning_compat`; the few of them still imported from here resolve lazily (see
-:func:`__getattr__`), so that importing this module never imports Lightning.
+The engine modules (``runtime``, ``microbatch``, ``sharding``, ``checkpoint``, ``layers``, ``trace``, ``tied``)
+import only this file for private names, so they import without Lightning: this module imports neither
+Lightning nor torchmetrics. Their private names live in :mod:`lightning_bfpp._lightning_compat`.
+``tests/unit/test_compat.py`` also checks that no other module of the package touches a private name of torch,
+Lightning or ``transformers``.
 """
 
 from __future__ import annotations
@@ -263,6 +266,36 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) ->
     return mesh._unflatten(0, sizes, names)
 
 
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameters by attribute name: ``nn.Module``'s registry itself, so assigning a slot
+    replaces the Parameter the module computes with (without ``__setattr__``'s re-registration)."""
+    return module._parameters  # type: ignore[return-value]
+
+
+def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffers by attribute name, writable like :func:`parameter_slots`."""
+    return module._buffers
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a ``transformers`` config selects (``"sdpa"``, ``"eager"``, …).
+
+    ``transformers`` has a public setter (``PreTrainedModel.set_attn_implementation``) but no public getter.
+    """
+    return config._attn_implementation
+
+
+def init_weights_as_model(model_class: type, config: Any, modules: Sequence[nn.Module]) -> None:
+    """Initialize ``modules`` in order with ``model_class``'s own ``_init_weights``, as ``model_class(config)``
+    does, without building the model (its other modules may be on the meta device or on other ranks)."""
+    initializer = model_class.__new__(model_class)
+    nn.Module.__init__(initializer)
+    initializer.config = config
+    with torch.no_grad():
+        for module in modules:
+            initializer._init_weights(module)
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -279,13 +312,17 @@ __all__ = [
     "TorchAction",
     "TorchKind",
     "add_send_recv",
+    "attn_implementation",
+    "buffer_slots",
     "check_torch_version",
     "default_store",
     "format_torch_schedule",
     "fsdp_finish_backward",
     "fsdp_post_backward",
     "hooked_runtime",
+    "init_weights_as_model",
     "instance_attributes",
+    "parameter_slots",
     "replicate",
     "runtime_is_hooked",
     "torch_version",

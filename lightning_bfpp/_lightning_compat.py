@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -215,7 +214,6 @@ def restore_metric_state(metric: Metric, snapshot: dict[str, Any]) -> None:
 
 __all__ = [
     "PathLike",
-    "_distributed_checkpoint_save",
     "attached_trainer",
     "call_callback_hooks",
     "call_module_hook",
@@ -243,9 +241,16 @@ __all__ = [
 # -- checkpoint consolidation ----------------------------------------------------------------------
 
 
+def load_distributed_checkpoint(folder: Any) -> dict[str, Any]:
+    """A DCP checkpoint ``folder`` read whole on one process, as saved (the weights under ``"model"``), with the
+    non-tensor state of its ``meta.pt``."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    return _load_distributed_checkpoint(folder)
+
+
 def consolidated_checkpoint(folder: Any) -> dict[str, Any]:
     """What ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` writes for a DCP ``folder``."""
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
     from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
-    return _format_checkpoint(_load_distributed_checkpoint(folder))
+    return _format_checkpoint(load_distributed_checkpoint(folder))

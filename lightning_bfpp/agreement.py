@@ -24,6 +24,11 @@ class AgreedError(RuntimeError):
     """Raised on every rank because one rank failed at a point where all ranks compare notes."""
 
 
+class PipelineAgreedError(AgreedError):
+    """Raised on the ranks of one pipeline, which agreed on it; the other replicas' ranks are not there and
+    must be stopped by the failure watchdog (see :mod:`lightning_bfpp.failures`)."""
+
+
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -72,12 +77,31 @@ def failure_message(what: str, failures: list[tuple[str, str]], world_size: int 
 
 
 def different_batch_shapes(step_name: str, here: str) -> str:
-    """The message for ranks that ran one step on batches of different shapes (``here``: this rank's)."""
+    """The message for a pipeline's ranks that ran one step on batches of different shapes (``here``: this
+    rank's)."""
     return (
-        f"BFPPStrategy: ranks received batches of different shapes in the same `{step_name}`. Every"
-        " data-parallel replica must see the same batch shapes (same batch size and, for sequences, the"
-        f" same padded length); {here} micro-batches."
+        f"BFPPStrategy: the ranks of one pipeline received batches of different shapes in the same"
+        f" `{step_name}`; {here} micro-batches. {SAME_BATCH_FIX}"
     )
+
+
+def different_batches(step_name: str, here: str) -> str:
+    """The message for a pipeline's ranks whose batches have the same shapes but different contents."""
+    return (
+        f"BFPPStrategy: the ranks of one pipeline loaded different batches in the same `{step_name}` ({here});"
+        " the first stage's input and the last stage's target would come from different samples. " + SAME_BATCH_FIX
+    )
+
+
+SAME_BATCH_FIX = (
+    "Every process of a pipeline loads the batch itself, and they must load the same one. Likely causes: data"
+    " or augmentations drawn at random in each process without a common seed (call"
+    " `lightning.seed_everything(seed)` on every process before building the data, or draw the randomness in"
+    " the DataLoader's `collate_fn` or `Dataset.__getitem__` from a generator seeded by the sample index), a"
+    " sampler or dataset seeded per process (e.g. with the global rank; seed by the data-parallel rank, which"
+    " `trainer.strategy.distributed_sampler_kwargs` gives), or a loader that is not deterministic (an"
+    " IterableDataset read from a shared queue)."
+)
 
 
 class StepFailure:
@@ -112,7 +136,8 @@ def raise_agreed(
     source = code - 1
     box: list[Any] = [local.message() if dist.get_rank() == source else None]
     dist.broadcast_object_list(box, src=source, group=group, device=device)
-    raise AgreedError(failure_message(what, [box[0]])) from local.error
+    everywhere = group is None or dist.get_world_size(group) == dist.get_world_size()
+    raise (AgreedError if everywhere else PipelineAgreedError)(failure_message(what, [box[0]])) from local.error
 
 
 def agree_on_failure(what: str, failure: StepFailure, device: torch.device) -> None:

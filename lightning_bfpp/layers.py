@@ -355,3 +355,87 @@ def materialize_remaining(module: nn.Module, device: torch.device) -> None:
     Called after :func:`keep_local_layers`, so the only meta tensors left belong to modules every rank keeps.
     """
     materialize_meta(module, device)
+
+
+# layers whose forward in training normalises by statistics over the samples of the call (BatchNorm), or whose
+# running statistics a forward updates (InstanceNorm with ``track_running_stats``), by torch's public classes
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+)
+_INSTANCE_NORMS = (
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+)
+
+
+def batch_statistics_layers(named: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str]]:
+    """``(name, class name)`` of every module inside the pipeline layers whose result depends on how a batch is
+    cut into forward calls: BatchNorm (statistics over the call's samples; running statistics, if tracked,
+    updated once per call) and InstanceNorm with ``track_running_stats`` (running statistics updated once per
+    call). A custom layer that updates its own buffers in forward is not recognised."""
+    found = []
+    for layer_name, layer in named:
+        for name, sub in layer.named_modules():
+            running = isinstance(sub, _INSTANCE_NORMS) and sub.track_running_stats
+            if isinstance(sub, _BATCH_NORMS) or running:
+                found.append((f"{layer_name}.{name}" if name else layer_name, type(sub).__name__))
+    return found
+
+
+def batch_statistics_warning(
+    found: Sequence[tuple[str, str]], num_microbatches: int, data_parallel_size: int, weight_passing: bool
+) -> str | None:
+    """What the layers of :func:`batch_statistics_layers` compute differently here than on one device; None
+    where nothing differs from DDP (one micro-batch per replica, and replicas that share running statistics)."""
+    replicas_keep_own = data_parallel_size > 1 and not weight_passing
+    if not found or (num_microbatches == 1 and not replicas_keep_own):
+        return None
+    names = ", ".join(f"`{name}` ({kind})" for name, kind in found[:3]) + (
+        f" and {len(found) - 3} more" if len(found) > 3 else ""
+    )
+    text = [f"BFPPStrategy: {names} compute statistics over the samples of each forward call."]
+    if num_microbatches > 1:
+        text.append(
+            f" Each forward call here sees one micro-batch (num_microbatches={num_microbatches} per replica):"
+            " BatchNorm normalises by the micro-batch's mean and variance, not the whole batch's as on one"
+            " device, and running statistics are updated once per micro-batch."
+        )
+    if replicas_keep_own:
+        text.append(
+            " Each data-parallel replica keeps its own running statistics (FSDP2 does not broadcast buffers every"
+            " step as DDP does); a checkpoint holds one replica's."
+        )
+    if weight_passing:
+        text.append(
+            " Under weight passing a layer's running statistics are its chunk owner's, updated by the owner's"
+            " micro-batches only (see lightning_bfpp.weight_passing)."
+        )
+    text.append(
+        " For results that do not depend on how the batch is split use LayerNorm or GroupNorm (per-sample"
+        " statistics), or num_microbatches=1 (statistics over each replica's batch, as under DDP). SyncBatchNorm is"
+        " not supported inside a pipeline."
+    )
+    return "".join(text)
+
+
+def check_no_collective_layers(named: Sequence[tuple[str, nn.Module]]) -> None:
+    """Refuse ``nn.SyncBatchNorm``: its training forward is a collective over every process, which only the ranks
+    running that stage reach (under weight passing, while the communication threads use the same ranks)."""
+    for layer_name, layer in named:
+        for name, sub in layer.named_modules():
+            if isinstance(sub, nn.SyncBatchNorm):
+                where = f"{layer_name}.{name}" if name else layer_name
+                raise ValueError(
+                    f"BFPPStrategy: `{where}` is a SyncBatchNorm, whose forward is a collective over all processes"
+                    " that only the ranks running its stage would reach, so it cannot run inside a pipeline. Use"
+                    " BatchNorm (statistics per micro-batch), LayerNorm or GroupNorm."
+                )

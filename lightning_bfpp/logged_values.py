@@ -25,7 +25,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from lightning_bfpp._lightning_compat import set_metric_step_value
-from lightning_bfpp.agreement import AgreedError, StepFailure, different_batch_shapes, raise_agreed
+from lightning_bfpp.agreement import AgreedError, StepFailure, different_batch_shapes, different_batches, raise_agreed
 from lightning_bfpp.user_step import LoggedValue
 
 _REDUCE_OPS: dict[Any, str] = {
@@ -49,6 +49,11 @@ class LogSpec:
     op: str
     options: tuple[tuple[str, Any], ...]
     metric_attribute: str | None = None
+
+    @property
+    def width(self) -> int:
+        """Slots the value takes in the exchanged row: a ``mean_over_items`` value travels as (sum, count)."""
+        return 2 if self.op == "items" else 1
 
 
 def reduce_op(reduce_fx: Any, name: str) -> str:
@@ -103,15 +108,23 @@ def combine_microbatches(
                     )
                 caches = [torch.tensor(float("nan"))] * len(caches)  # no step value; the epoch value is computed
             step_values = [torch.as_tensor(c).detach() for c in caches]
+        elif op == "mean" and all(r.items is not None for r in group):
+            # `mean_over_items` values: one sum over one count, as one device computes it on the whole batch
+            totals = torch.stack([r.items[0].double() for r in group]).sum()  # type: ignore[index]
+            counts = torch.stack([r.items[1].double() for r in group]).sum()  # type: ignore[index]
+            specs.append(LogSpec(name, "items", tuple(sorted(options.items())), attribute))
+            values.extend([totals, counts])
+            continue
         else:
             step_values = [r.value for r in group]  # type: ignore[misc]
         specs.append(LogSpec(name, op, tuple(sorted(options.items())), attribute))
         values.append(_combine(step_values, op))
-    flat = torch.stack(values) if values else torch.zeros(0)
+    flat = torch.stack([v.double().cpu() for v in values]) if values else torch.zeros(0, dtype=torch.float64)
     return specs, flat
 
 
 _LOSS_SPEC = LogSpec("<loss>", "mean", ())
+_ITEMS_LOSS_SPEC = LogSpec("<loss>", "items", ())
 
 
 def _attribute_of(module: LightningModule, metric: Metric) -> str | None:
@@ -119,7 +132,23 @@ def _attribute_of(module: LightningModule, metric: Metric) -> str | None:
     return next((name for name, m in module.named_modules() if m is metric), None)
 
 
-_HEADER = 6  # failure code, batch digest, holds values, names digest, number of values, stop requested
+# failure code, batch shape digest, holds values, names digest, number of values, stop requested, content digest
+_HEADER = 7
+
+
+@dataclass
+class SharedStep:
+    """What every rank knows after a step's exchange."""
+
+    specs: list[LogSpec]
+    values: torch.Tensor  # one per spec, reduced over micro-batches and replicas
+    loss: torch.Tensor  # the global batch's loss
+    # the global batch's item count when the step returned `mean_over_items` (else None), and the number of
+    # data-parallel replicas (last-stage ranks) it was summed over
+    loss_items: float | None = None
+    replicas: int = 1
+
+
 _INITIAL_CAPACITY = 8
 
 
@@ -163,21 +192,34 @@ class LoggedValueSync:
         batch_digest: int = 0,
         batch_description: str = "",
         stop_requested: bool = False,
-    ) -> tuple[list[LogSpec], torch.Tensor, torch.Tensor]:
+        *,
+        loss_items: torch.Tensor | None = None,
+        content_digest: torch.Tensor | None = None,
+        pipelines: Sequence[Sequence[int]] | None = None,
+    ) -> SharedStep:
         """Every rank gets the specs, the values and the step loss, reduced over data-parallel replicas.
 
         Last-stage ranks pass what they combined (or nothing, with a ``failure``); the other ranks pass
         ``None``. The loss is averaged over replicas like a logged mean, so the returned loss is the global
-        batch's.
+        batch's; with ``loss_items`` (a ``mean_over_items`` step: ``loss`` is then this replica's summed loss)
+        it is the sum over replicas divided by the summed count, which is returned too. The ranks of each
+        pipeline (``pipelines``: every pipeline's global ranks; default one of all ranks) must have run the same
+        ``batch_digest`` and ``content_digest``; pipelines may differ from each other. A mismatch anywhere is
+        raised on every rank.
         """
         packed = None
         digest = 0.0
         if specs is not None:
             assert values is not None and loss is not None
-            specs = [*specs, _LOSS_SPEC]
-            packed = torch.cat([values.double().cpu(), loss.detach().double().cpu().reshape(1)])
+            if loss_items is None:
+                specs = [*specs, _LOSS_SPEC]
+                loss_slots = [loss.detach().double().cpu().reshape(1)]
+            else:
+                specs = [*specs, _ITEMS_LOSS_SPEC]
+                loss_slots = [loss.detach().double().cpu().reshape(1), loss_items.double().cpu().reshape(1)]
+            packed = torch.cat([values.double().cpu(), *loss_slots])
             digest = float(zlib.crc32(repr(specs).encode()))
-        rows = self._gather(failure.code, batch_digest, packed, digest, stop_requested)
+        rows = self._gather(failure.code, batch_digest, packed, digest, stop_requested, content_digest)
         self.stop_agreed = bool(rows[:, 5].any())
         code = int(rows[:, 0].max())
         if code:
@@ -185,8 +227,14 @@ class LoggedValueSync:
                 assert failure.error is not None
                 raise failure.error
             raise_agreed(f"`{step_name}`", code, failure, None, self._device)
-        if bool((rows[:, 1] != rows[0, 1]).any()):
-            raise AgreedError(different_batch_shapes(step_name, batch_description))
+        for ranks in pipelines if pipelines is not None else [range(self._world)]:
+            group = rows[list(ranks)]
+            if bool((group[:, 1] != group[0, 1]).any()):
+                raise AgreedError(different_batch_shapes(step_name, batch_description))
+            if bool((group[:, 6] != group[0, 6]).any()):
+                other = next(r for r, v in zip(ranks, group[:, 6].tolist(), strict=True) if v != float(group[0, 6]))
+                here = f"global ranks {ranks[0]} and {other} hold batches of the same shapes with other contents"
+                raise AgreedError(different_batches(step_name, here))
         last = rows[rows[:, 2] == 1]
         if bool((last[:, 3] != last[0, 3]).any()):
             raise AgreedError(
@@ -201,25 +249,36 @@ class LoggedValueSync:
                 dist.broadcast_object_list(box, src=source, device=self._device)
             self._specs, self._digest = box[0], float(last[0, 3])
         count = int(last[0, 4])
-        per_replica = last[:, _HEADER : _HEADER + count].float()
-        reduced = self._reduce(self._specs, per_replica).to(self._device)
-        return self._specs[:-1], reduced[:-1], reduced[-1]
+        per_replica = last[:, _HEADER : _HEADER + count]
+        reduced = self._reduce(self._specs, per_replica).float().to(self._device)
+        loss_items = None
+        if self._specs[-1].op == "items":
+            loss_items = float(per_replica[:, -1].sum())
+        return SharedStep(self._specs[:-1], reduced[:-1], reduced[-1], loss_items, int(last.shape[0]))
 
     def _gather(
-        self, code: int, batch_digest: int, packed: torch.Tensor | None, digest: float, stop: bool
+        self,
+        code: int,
+        batch_digest: int,
+        packed: torch.Tensor | None,
+        digest: float,
+        stop: bool,
+        content_digest: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All ranks' rows, ``[world, header + capacity]`` in float64 (exact for the integer fields)."""
         count = 0 if packed is None else packed.numel()
         while True:
             row = torch.zeros(_HEADER + self._capacity, dtype=torch.float64)
-            header = [code, batch_digest, packed is not None, digest, count, stop]
+            header = [code, batch_digest, packed is not None, digest, count, stop, 0]
             row[:_HEADER] = torch.tensor(header, dtype=torch.float64)
             if packed is not None:
                 row[_HEADER : _HEADER + min(count, self._capacity)] = packed[: self._capacity]
+            row = row.to(self._device)
+            if content_digest is not None:  # stays on its device: no synchronisation to read it
+                row[6] = content_digest.to(device=self._device, dtype=torch.float64)
             if self._world == 1:
-                rows = row[None]
+                rows = row[None].cpu()
             else:
-                row = row.to(self._device)
                 gathered = torch.empty(self._world * row.numel(), dtype=row.dtype, device=self._device)
                 dist.all_to_all_single(gathered, row.repeat(self._world))  # an all-gather in one hop (see above)
                 rows = gathered.view(self._world, -1).cpu()
@@ -235,13 +294,20 @@ class LoggedValueSync:
 
     @staticmethod
     def _reduce(specs: Sequence[LogSpec], per_replica: torch.Tensor) -> torch.Tensor:
-        """Reduce every value over the replicas (rows) with its own op."""
+        """Reduce every value over the replicas (rows) with its own op: one value per spec, in float64.
+
+        A ``mean_over_items`` value is its summed sums over its summed counts (0 when there are no items).
+        """
         reduce = {"mean": torch.mean, "sum": torch.sum, "max": torch.amax, "min": torch.amin}
-        reduced = per_replica[0].clone()
-        for op, fn in reduce.items():
-            index = [i for i, s in enumerate(specs) if s.op == op]
-            if index:
-                reduced[index] = fn(per_replica[:, index], dim=0)
+        reduced = torch.empty(len(specs), dtype=torch.float64)
+        slot = 0
+        for i, spec in enumerate(specs):
+            if spec.op == "items":
+                total, count = per_replica[:, slot].sum(), per_replica[:, slot + 1].sum()
+                reduced[i] = total / count.clamp(min=1.0)
+            else:
+                reduced[i] = reduce[spec.op](per_replica[:, slot], dim=0)
+            slot += spec.width
         return reduced
 
 

@@ -104,3 +104,39 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
         for leaf in leaves
     )
     return (str(spec), shapes)
+
+
+_DIGEST_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+_AS_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def batch_digest(batch: Any) -> torch.Tensor | None:
+    """A 52-bit digest of the batch's tensor contents, as a 0-d int64 tensor on the tensors' device.
+
+    The ranks of one pipeline must run the same batch (the first stage's input and the last stage's target);
+    comparing digests in the step's existing collective catches data drawn differently in each process. Each
+    tensor's bits, read as integers, are weighted by their position and summed with integer wrap-around,
+    which is associative: the same batch gives the same digest on any device and in any summation order,
+    without copying the batch to the host (no synchronisation on an accelerator). 52 bits so that the value
+    travels exactly in the collective's float64 row. None when the batch has no tensor.
+    """
+    total: torch.Tensor | None = None
+    leaves, _ = tree_flatten(batch)
+    for k, leaf in enumerate(t for t in leaves if isinstance(t, torch.Tensor) and t.numel() > 0):
+        flat = leaf.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        bits = flat.view(_AS_BITS[flat.element_size()]).to(torch.int64)
+        key = (bits.numel(), str(bits.device))
+        weights = _DIGEST_WEIGHTS.get(key)
+        if weights is None:
+            # position weights: odd multiples of a large odd constant, distinct for every position
+            weights = (torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1) * 0x9E3779B1
+            if len(_DIGEST_WEIGHTS) > 64:
+                _DIGEST_WEIGHTS.clear()
+            _DIGEST_WEIGHTS[key] = weights
+        value = (bits * weights).sum() * (2 * k + 3)
+        total = value if total is None else total + value.to(total.device)
+    return None if total is None else total & ((1 << 52) - 1)

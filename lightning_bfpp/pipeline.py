@@ -27,8 +27,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
 from lightning_bfpp._compat import tree_flatten
-from lightning_bfpp.agreement import AgreedError, StepFailure, different_batch_shapes, raise_agreed, rank_name
-from lightning_bfpp.microbatch import batch_signature, batch_size, microbatch_count, split_microbatches
+from lightning_bfpp.agreement import (
+    AgreedError,
+    PipelineAgreedError,
+    StepFailure,
+    different_batch_shapes,
+    raise_agreed,
+    rank_name,
+)
+from lightning_bfpp.loss import BatchGradients, item_sum
+from lightning_bfpp.microbatch import batch_digest, batch_signature, batch_size, microbatch_count, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.random_state import derive_seed, forked_random_state
 from lightning_bfpp.reductions import GradientReductions
@@ -47,7 +55,9 @@ from lightning_bfpp.user_step import (
 )
 from lightning_bfpp.weight_passing import ChunkTransfers, WeightPassingRunner
 
-_MAX_CACHED_SCHEDULES = 8
+# schedules kept per step kind and batch shape: each holds its stages' receive buffers for every micro-batch, so
+# batches padded to their own length should come in a few lengths (e.g. `pad_to_multiple_of=8` in the collator)
+_MAX_CACHED_SCHEDULES = 16
 
 
 @dataclass
@@ -61,9 +71,22 @@ class StepResult:
     step_name: str = ""
     # the user's step failed here: input capture (first stage), loss or logging (last stage)
     failure: StepFailure = field(default_factory=StepFailure)
-    # the batch's shape and micro-batch count, digested and described; every rank must run the same
+    # the batch's shape and micro-batch count, digested and described; every rank of a pipeline must run the same
     batch_digest: int = 0
     batch_description: str = ""
+    # a digest of the batch's contents (see microbatch.batch_digest): the pipeline's ranks must hold the same batch
+    content_digest: torch.Tensor | None = None
+    # last stage, training: each micro-batch's item count where the step returned `mean_over_items` (else None)
+    item_counts: list[torch.Tensor | None] = field(default_factory=list)
+
+    def loss_and_items(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's share of the step loss: the micro-batches' mean loss, or for a :func:`mean_over_items`
+        step the summed loss and the summed item count (divided by the global count once counts are shared)."""
+        if not self.losses:
+            return None, None
+        if self.item_counts and all(c is not None for c in self.item_counts):
+            return torch.stack(self.losses).sum(), torch.stack(self.item_counts).sum()  # type: ignore[arg-type]
+        return torch.stack(self.losses).mean(), None
 
 
 @dataclass
@@ -76,6 +99,8 @@ class _ActiveStep:
     loss_scale: float
     result: StepResult
     seeds: list[int]
+    # the batch's scale alone (e.g. 1 / accumulate_grad_batches): a `mean_over_items` sum is not divided by m
+    batch_scale: float = 1.0
 
 
 class Pipeline:
@@ -116,6 +141,17 @@ class Pipeline:
         self.data_parallel_size = mesh[DATA_PARALLEL].size()
         self.data_parallel_rank = mesh[DATA_PARALLEL].get_local_rank()
         self.rank_label = rank_name(pipeline_rank=self.pipeline_rank, data_parallel_rank=self.data_parallel_rank)
+        # the global ranks that run this rank's batches (its pipeline), which must agree on every batch
+        pipeline_group = mesh[PIPELINE_PARALLEL].get_group()
+        self.pipeline_group = pipeline_group
+        self.pipeline_ranks = dist.get_process_group_ranks(pipeline_group) if dist.is_initialized() else [0]
+        # every pipeline's global ranks (the step's exchange checks each pipeline's batches on every rank)
+        ranks = mesh.mesh
+        pp_dim = mesh.mesh_dim_names.index(PIPELINE_PARALLEL)  # type: ignore[union-attr]
+        self.pipelines = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+        # None until the first training step shows whether the step normalises by item counts
+        self.normalizes_items: bool | None = None
+        self.batch_gradients = BatchGradients([p for p in module.parameters() if p.requires_grad])
         # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.random_state)
         self.base_seed = base_seed
         # each stage's gradient reduction overlapping the rest of the backward; None: torch's, blocking
@@ -213,6 +249,7 @@ class Pipeline:
         step_key: Sequence[int] = (),
         last_batch: bool = False,
         reduce_grads: bool = True,
+        set_aside_grads: bool = False,
     ) -> StepResult:
         """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch.
 
@@ -223,12 +260,16 @@ class Pipeline:
         ``last_batch`` marks the loader's last batch, which may be smaller (see :func:`microbatch_count`).
         ``reduce_grads=False`` (a batch of a gradient-accumulation window before its last) runs the schedule
         without its gradient reductions: FSDP2 keeps adding to the unsharded gradients until a step reduces.
+        ``set_aside_grads`` takes the gradients accumulated so far off the parameters for the step (see
+        :class:`lightning_bfpp.loss.BatchGradients`; the caller finishes it once the item counts are shared).
 
         An error in the user's code on some ranks (input capture on the first stage, the loss and logging on
         the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet: the
-        check before a new schedule is built, else the one collective after the schedule (the logged-value
-        sync), which also compares the ranks' batch shapes (``StepResult.batch_digest``). A step whose schedule
-        is already built has no collective before it.
+        check before a new schedule is built (over the pipeline's ranks), else the one collective after the
+        schedule (the logged-value sync), which also compares the pipeline's batch shapes and contents
+        (``StepResult.batch_digest``, ``StepResult.content_digest``). A step whose schedule is already built
+        has no collective before it. Shapes may differ between replicas and between steps (batches padded to
+        their own longest sequence): each pipeline builds a schedule per shape, without the other replicas.
         """
         self._prefetch_first_stage()
         step = getattr(self.module, step_name)
@@ -236,10 +277,12 @@ class Pipeline:
         num_microbatches, microbatches, signature = 0, [], None
         seeds: list[int] = []
         inputs: tuple[list[Any], list[Any]] | None = None
+        content = None
         try:
             num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
             microbatches = split_microbatches(batch, num_microbatches)
             signature = batch_signature(batch)
+            content = batch_digest(batch)
             seeds = [
                 derive_seed(self.base_seed, (*step_key, self.data_parallel_rank, i)) for i in range(num_microbatches)
             ]
@@ -269,14 +312,18 @@ class Pipeline:
                 inputs = schedule.last_inputs
         result = StepResult(num_microbatches=num_microbatches, step_name=step_name, failure=failure)
         result.batch_digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
+        result.content_digest = content
         result.batch_description = (
             f"{self.rank_label} got {signature[1] if signature is not None else None} in {num_microbatches}"
         )
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches
+            result.item_counts = [None] * num_microbatches
         scale = loss_scale / num_microbatches
-        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result, seeds)
+        if train and set_aside_grads:
+            self.batch_gradients.set_aside()
+        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result, seeds, loss_scale)
         self._schedule_in_use = schedule
         targets = [torch.tensor(i) for i in range(num_microbatches)]
         arg_mbs, kwarg_mbs = inputs if inputs is not None else (None, None)
@@ -295,6 +342,16 @@ class Pipeline:
             # the tied copies' gradients are complete (reduced over replicas) only now: sum them over the tie,
             # once per optimizer step (an accumulation window's last batch), before clipping and the step
             self.tied.sum_gradients()
+        if train and self.holds_last_stage and failure.error is None:
+            normalized = {count is not None for count in result.item_counts}
+            if len(normalized) > 1:
+                failure.record(
+                    RuntimeError(
+                        f"BFPPStrategy: `{step_name}` returned `mean_over_items(...)` for some micro-batches and a"
+                        " plain loss for others. Return the same kind of loss for every batch."
+                    ),
+                    self.rank_label,
+                )
         return result
 
     def _prefetch_first_stage(self) -> None:
@@ -349,6 +406,12 @@ class Pipeline:
             # finish on a zero loss, and raise on every rank once they meet (see logged_values.LoggedValueSync)
             failure.record(error, self.rank_label)
             return _placeholder_loss(output)
+        items = item_sum(loss)
+        if items is not None:
+            # backpropagate the sum; the gradients are divided by the global item count after the step
+            active.result.losses[i] = items.total.detach()
+            active.result.item_counts[i] = items.count
+            return items.total * active.batch_scale
         active.result.losses[i] = loss.detach()
         return loss * active.loss_scale
 
@@ -370,8 +433,11 @@ class Pipeline:
     def _agree_before_schedule(
         self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure
     ) -> None:
-        """One all-reduce over all ranks before a schedule is built for a new kind of step or batch shape:
-        did the batch split or the input capture fail anywhere, and do all ranks run the same shape?
+        """One all-reduce over the pipeline's ranks before a schedule is built for a new kind of step or batch
+        shape: did the batch split or the input capture fail on one of them, and do they run the same shape?
+        Other replicas may run other shapes (the schedule's shape inference runs without data-parallel
+        collectives, see :class:`lightning_bfpp.runtime.PlannedSchedule`); an error here is raised on this
+        pipeline's ranks, and the failure watchdog stops the others.
 
         Ranks building their stages for different shapes would issue different transfers and hang; a capture
         error on the first stage would leave every other rank waiting for its activations. Steps that reuse a
@@ -379,14 +445,13 @@ class Pipeline:
         not within ``agreement_timeout`` seconds (a rank whose batch shape differs from its pipeline's), this
         rank raises, and the failure watchdog stops the others.
         """
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
+        if len(self.pipeline_ranks) == 1:
             if failure.error is not None:
                 raise failure.error
             return
         digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
         flags = torch.tensor([failure.code, digest, -digest], dtype=torch.int64, device=self.device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pipeline_group, async_op=True)
         shape = signature[1] if signature is not None else None
         try:
             if self.agreement_timeout is None:
@@ -402,10 +467,11 @@ class Pipeline:
             ) from (failure.error or error)
         code, high, low = (int(v) for v in flags.tolist())
         if code:
-            raise_agreed(f"`{step_name}`", code, failure, None, self.device)
+            raise_agreed(f"`{step_name}`", code, failure, self.pipeline_group, self.device)
         if high != -low:
             here = f"{self.rank_label} got {shape} in {num_microbatches}"
-            raise AgreedError(different_batch_shapes(step_name, here))
+            everywhere = len(self.pipeline_ranks) == dist.get_world_size()
+            raise (AgreedError if everywhere else PipelineAgreedError)(different_batch_shapes(step_name, here))
 
 
 def _placeholder_loss(output: Any) -> torch.Tensor:

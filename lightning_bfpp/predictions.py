@@ -1,67 +1,180 @@
-"""Predictions: merge micro-batch outputs into batch outputs, and put replicas' batches in dataset order.
+"""Predictions: one device's batch outputs from micro-batch outputs, and replicas' batches in dataset order.
 
-``predict_step`` runs per micro-batch on the last stage; its outputs are merged back into one output per
-batch (tensors concatenated along dim 0, lists concatenated, tuples and dicts merged field by field). With
-several data-parallel replicas each sees a strided share of the dataset (``DistributedSampler``);
+One device runs ``predict_step`` once per batch; the pipeline runs it once per micro-batch, on the last stage.
+:func:`merge_microbatches` rebuilds the batch's output where that is exact. Values with one entry per sample
+(tensors whose dim 0 is the micro-batch size, lists as long as it) are concatenated; dicts, tuples and
+namedtuples are merged field by field; any other value (a 0-d tensor, a number, a string, None, a tensor or
+list of another length) has no per-sample structure and is returned once when every micro-batch returned the
+same one. A batch-level value that differs between micro-batches (a mean, a loss) is not the batch's and is
+refused. One that depends on the batch's size only (a count, a sum of ones) is equal in every micro-batch but
+still differs from one device's: return such values per sample.
+
+With several data-parallel replicas each sees a strided share of the dataset (``DistributedSampler``);
 :func:`in_dataset_order` turns the replicas' batches, with the dataset indices Lightning recorded for them,
-back into the batches one device would have produced.
+back into the batches one device would have produced, by the same rule.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-
-def merge_microbatches(outputs: Sequence[Any]) -> Any:
-    """One batch output from micro-batch outputs of the same structure."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack(list(outputs))
-        return torch.cat(list(outputs))
-    if isinstance(first, list):
-        return [item for out in outputs for item in out]
-    if isinstance(first, tuple):
-        merged = [merge_microbatches([out[i] for out in outputs]) for i in range(len(first))]
-        return type(first)(*merged) if hasattr(first, "_fields") else tuple(merged)
-    if isinstance(first, dict):
-        return {key: merge_microbatches([out[key] for out in outputs]) for key in first}
-    if first is None:
-        return None
-    return list(outputs)
+_REMEDY = (
+    "Return per-sample values instead (tensors with the batch as dim 0, lists with one item per sample), or"
+    " compute the batch-level value from them in `on_predict_epoch_end`."
+)
 
 
-def _split(output: Any, size: int) -> list[Any] | None:
-    """Per-sample items of a batch output, or None if it has no batch dimension of ``size``."""
-    if isinstance(output, torch.Tensor):
-        return list(output) if output.dim() > 0 and output.shape[0] == size else None
-    if isinstance(output, list):
-        return list(output) if len(output) == size else None
-    if isinstance(output, dict):
-        parts = {k: _split(v, size) for k, v in output.items()}
-        if any(p is None for p in parts.values()):
-            return None
-        return [{k: parts[k][i] for k in output} for i in range(size)]  # type: ignore[index]
-    if isinstance(output, tuple):
-        fields = [_split(v, size) for v in output]
-        if any(f is None for f in fields):
-            return None
-        return [tuple(f[i] for f in fields) for i in range(size)]  # type: ignore[index]
-    return None
+def merge_microbatches(outputs: Sequence[Any], microbatch_size: int) -> Any:
+    """The batch's ``predict_step`` output as one device returns it, from its micro-batches' outputs.
+
+    ``microbatch_size`` is the number of samples in each micro-batch: the length of a per-sample dimension.
+    Raises ValueError where the batch's output cannot be rebuilt exactly.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    return _merge(list(outputs), microbatch_size, "output")
+
+
+def _merge(values: list[Any], size: int, where: str) -> Any:
+    first = values[0]
+    kind = type(first)
+    if any(type(v) is not kind for v in values):
+        types = sorted({type(v).__name__ for v in values})
+        raise _refusal(where, f"values of different types ({', '.join(types)})", len(values), size)
+    if isinstance(first, torch.Tensor) and all(v.dim() > 0 and v.shape[0] == size for v in values):
+        return torch.cat(values)
+    if isinstance(first, list) and all(len(v) == size for v in values):
+        return [item for value in values for item in value]
+    if isinstance(first, tuple) and all(len(v) == len(first) for v in values):
+        names = getattr(first, "_fields", None)
+        fields = [
+            _merge([v[i] for v in values], size, f"{where}.{names[i]}" if names else f"{where}[{i}]")
+            for i in range(len(first))
+        ]
+        return kind(*fields) if names else tuple(fields)
+    if isinstance(first, dict) and all(v.keys() == first.keys() for v in values):
+        return _like(first, {k: _merge([v[k] for v in values], size, f"{where}[{k!r}]") for k in first})
+    if all(_same(first, v) for v in values[1:]):
+        return first
+    raise _refusal(where, _describe(first), len(values), size)
+
+
+def _refusal(where: str, what: str, count: int, size: int) -> ValueError:
+    return ValueError(
+        f"BFPPStrategy: `predict_step` returned {what} at `{where}` that differs between the batch's {count}"
+        f" micro-batches and has no per-sample dimension (dim 0 or length {size}, the micro-batch's size). One"
+        " device runs `predict_step` once on the whole batch; the pipeline runs it once per micro-batch, so a"
+        f" batch-level value (a mean, a loss) is computed on part of the batch and cannot be rebuilt. {_REMEDY}"
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a 0-d tensor" if value.dim() == 0 else f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two values are equal in type, structure and content (NaN equal to NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        equal = a == b
+        if a.is_floating_point() or a.is_complex():
+            equal |= a.isnan() & b.isnan()
+        return bool(equal.all())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. an array's elementwise comparison: not a value known to be equal
+        return False
+
+
+def _like(template: dict[Any, Any], fields: dict[Any, Any]) -> dict[Any, Any]:
+    """``fields`` as a mapping of ``template``'s type where that type can be built from a dict."""
+    if type(template) is dict:
+        return fields
+    try:
+        return type(template)(fields)
+    except TypeError:
+        return fields
+
+
+class _NotReorderable(Exception):
+    """An output whose per-sample items cannot be regrouped into one device's batches."""
+
+
+class _Item:
+    """One sample's entry of a per-sample list (a list is rebuilt, never stacked)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _BatchLevel:
+    """A value without per-sample structure, the same for every sample of its batch."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _split(output: Any, size: int, batch_level: list[Any]) -> list[Any]:
+    """Per-sample items of a batch output of ``size`` samples; its batch-level values are appended to
+    ``batch_level`` and stand as :class:`_BatchLevel` in every item."""
+    if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == size:
+        return list(output)
+    if isinstance(output, list) and len(output) == size:
+        return [_Item(item) for item in output]
+    if isinstance(output, tuple) and output:
+        fields = [_split(field, size, batch_level) for field in output]
+        if hasattr(output, "_fields"):
+            return [type(output)(*parts) for parts in zip(*fields, strict=True)]
+        return [tuple(parts) for parts in zip(*fields, strict=True)]
+    if isinstance(output, dict) and output:
+        fields = {key: _split(value, size, batch_level) for key, value in output.items()}
+        return [_like(output, {key: fields[key][i] for key in output}) for i in range(size)]
+    batch_level.append(output)
+    return [_BatchLevel(output)] * size
 
 
 def _join(items: Sequence[Any]) -> Any:
+    """A batch output from per-sample items of the same structure."""
     first = items[0]
+    if any(type(item) is not type(first) for item in items):
+        raise _NotReorderable
     if isinstance(first, torch.Tensor):
         return torch.stack(list(items))
-    if isinstance(first, dict):
-        return {k: _join([it[k] for it in items]) for k in first}
+    if isinstance(first, _Item):
+        return [item.value for item in items]
+    if isinstance(first, _BatchLevel):
+        return first.value  # the same in every batch (checked in in_dataset_order)
     if isinstance(first, tuple):
-        return tuple(_join([it[i] for it in items]) for i in range(len(first)))
-    return list(items)
+        if any(len(item) != len(first) for item in items):
+            raise _NotReorderable
+        fields = [_join([item[i] for item in items]) for i in range(len(first))]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+    if isinstance(first, dict):
+        if any(item.keys() != first.keys() for item in items):
+            raise _NotReorderable
+        return _like(first, {key: _join([item[key] for item in items]) for key in first})
+    raise _NotReorderable
 
 
 def in_dataset_order(
@@ -69,16 +182,27 @@ def in_dataset_order(
 ) -> list[Any] | None:
     """Batches of ``batch_size`` in dataset order from each replica's (batch indices, batch outputs).
 
-    Samples that ``DistributedSampler`` repeated to even out the replicas appear once. Returns None when an
-    output has no per-sample structure to reorder (e.g. one scalar per batch).
+    Per-sample values are regrouped by dataset index; samples that ``DistributedSampler`` repeated to even out
+    the replicas appear once. A batch-level value is kept in every batch when all batches of all replicas
+    returned the same one. Returns None when one device's batches cannot be rebuilt: an output without
+    per-sample values, or with batch-level values that differ between batches.
     """
     by_index: dict[int, Any] = {}
+    shared: list[Any] | None = None
     for batch_indices, outputs in replicas:
         for indices, output in zip(batch_indices, outputs, strict=True):
-            items = _split(output, len(indices))
-            if items is None:
+            batch_level: list[Any] = []
+            items = _split(output, len(indices), batch_level)
+            if shared is None:
+                shared = batch_level
+            elif not _same(shared, batch_level):
                 return None
+            if all(isinstance(item, _BatchLevel) for item in items):
+                return None  # nothing per sample to put in order
             for index, item in zip(indices, items, strict=True):
                 by_index.setdefault(int(index), item)
     ordered = [by_index[i] for i in sorted(by_index)]
-    return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
+    try:
+        return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
+    except _NotReorderable:
+        return None

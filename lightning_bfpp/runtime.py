@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from lightning_bfpp._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv
 from lightning_bfpp.partition import stage_rank
@@ -123,14 +124,28 @@ class PlannedSchedule(PipelineRuntime):
 
     @contextmanager
     def metadata_inference(self) -> Iterator[None]:
+        """torch infers each stage's shapes on the first run by running the stage forward and backward on one
+        micro-batch. On a sharded stage that would run FSDP2's hooks: a weight all-gather and a gradient
+        reduction over the data-parallel replicas, which would then all have to build a schedule in the same
+        step. Replicas whose batches have other shapes (sequences padded to each batch's own length) do not,
+        so the stages are inferred through :class:`ShapeInference` instead: the same layers on stand-in
+        weights, no collective outside the pipeline.
+        """
         # torch's shape inference ends by setting every FSDP parameter's .grad to None; keep what earlier
         # steps of a gradient-accumulation window accumulated.
         grads = {p: p.grad for stage in self.stages for p in stage.submod.parameters() if p.grad is not None}
-        self.inferring_metadata = True
+        swapped = [(stage, stage.submod) for stage in self.stages if _has_distributed_parameters(stage.submod)]
         try:
+            for stage, module in swapped:
+                stage.submod = ShapeInference(module, stage.device)
+            self.inferring_metadata = True
             yield
         finally:
             self.inferring_metadata = False
+            for stage, module in swapped:
+                if isinstance(stage.submod, ShapeInference):
+                    stage.submod.restore()
+                stage.submod = module
         for param, grad in grads.items():
             param.grad = grad
 
@@ -142,3 +157,46 @@ class PlannedSchedule(PipelineRuntime):
     ) -> None:
         """Run every action of this rank's list once over the given micro-batches."""
         self.run_microbatches(arg_mbs, kwarg_mbs, target_mbs)
+
+
+def _has_distributed_parameters(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+class ShapeInference(nn.Module):
+    """A sharded stage's layers on zero stand-ins for their full weights, without the stage's hooks.
+
+    Shapes, dtypes and which outputs need gradients are what torch's inference reads; none depends on the
+    weights' values, and none needs FSDP2's gather: the stand-ins have the full shape, the parameters' dtype
+    and ``requires_grad``, as the gathered weights would. The stage's ``forward`` is called directly, so FSDP2's
+    hooks (registered on the stage) do not run. The stand-ins stay registered until :meth:`restore`, after
+    torch's backward inference (activation checkpointing recomputes the forward there). The stage is held
+    outside the module tree, so torch's clean-up after inference (resharding, clearing gradients) does not
+    touch it: a gather already in flight for the stage (the step's prefetch) stays valid. Costs one forward
+    and backward of one micro-batch per stage and new batch shape, with the stage's full weights allocated
+    meanwhile, as torch's own inference would.
+    """
+
+    def __init__(self, stage: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        object.__setattr__(self, "stage", stage)  # not a submodule: see the class docstring
+        self._originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        standins: dict[int, nn.Parameter] = {}
+        for module in stage.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                standin = standins.get(id(param))
+                if standin is None:
+                    zeros = torch.zeros(param.shape, dtype=param.dtype, device=device)
+                    standin = standins[id(param)] = nn.Parameter(zeros, requires_grad=param.requires_grad)
+                self._originals.append((module, name, param))
+                setattr(module, name, standin)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        stage: nn.Module = self.__dict__["stage"]
+        return type(stage).forward(stage, *args, **kwargs)
+
+    def restore(self) -> None:
+        """Register the stage's own parameters again."""
+        for module, name, param in self._originals:
+            setattr(module, name, param)
+        self._originals = []

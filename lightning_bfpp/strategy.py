@@ -39,13 +39,17 @@ from typing_extensions import override
 from lightning_bfpp import _compat, auto, clipping
 from lightning_bfpp import _lightning_compat as lc
 from lightning_bfpp import checkpoint as checkpoint_io
-from lightning_bfpp.agreement import AgreedError, agree, agree_on_failure
+from lightning_bfpp.agreement import AgreedError, PipelineAgreedError, agree, agree_on_failure
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.cpu_threads import available_cores, share_cores
 from lightning_bfpp.failures import FailureWatchdog
+from lightning_bfpp.initial_state import Broadcast, PendingBuild, buffers_outside, local_state
 from lightning_bfpp.layers import (
     Recompute,
     StageModule,
+    batch_statistics_layers,
+    batch_statistics_warning,
+    check_no_collective_layers,
     keep_local_layers,
     layer_weights,
     materialize_meta,
@@ -53,7 +57,7 @@ from lightning_bfpp.layers import (
     pipeline_layers,
     recompute_policy,
 )
-from lightning_bfpp.logged_values import LoggedValueSync, combine_microbatches, replay
+from lightning_bfpp.logged_values import LoggedValueSync, SharedStep, combine_microbatches, replay
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
 from lightning_bfpp.plan.cluster import Cluster
@@ -73,7 +77,7 @@ from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties,
 from lightning_bfpp.topology import NodeTopology
 from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
-from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, topology_groups
+from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode, topology_groups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -222,6 +226,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self.tied = TiedParameters([], {})
         # the mesh the stages shard over: mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
         self._sharding_mesh: Any = None
+        # whether this accumulation window's batches are normalised by their item counts one by one
+        self._per_batch_window: bool | None = None
 
     # -- precision ---------------------------------------------------------------------------------
 
@@ -274,8 +280,11 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # an agreed error (and a SIGTERM stop, agreed through the step's collective) is raised by every rank at
-        # the same point: nobody is left waiting
-        if self._watchdog is not None and not isinstance(exception, (AgreedError, SIGTERMException)):
+        # the same point: nobody is left waiting; one agreed by a pipeline alone leaves the other replicas waiting
+        agreed = isinstance(exception, (AgreedError, SIGTERMException)) and not isinstance(
+            exception, PipelineAgreedError
+        )
+        if self._watchdog is not None and not agreed:
             self._watchdog.report(f"{type(exception).__name__}: {exception}")
 
     def _build_device_mesh(self) -> None:
@@ -394,9 +403,11 @@ class BFPPStrategy(ModelParallelStrategy):
             base_seed = self._base_seed()
             reduce_group = self._reduction_group()
             # building checks the module on every rank; some checks (layer placement) differ between ranks
-            self.pipeline = agree(
-                lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline"
-            )
+            pending = agree(lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline")
+            # collectives, so after the agreement: every replica takes data-parallel rank 0's initial values (FSDP2
+            # does not broadcast them as DDP does, see lightning_bfpp.initial_state), then the stages are sharded
+            pending.share()
+            self.pipeline = agree(pending.finish, "sharding the pipeline's stages")
             # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
             self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
             if isinstance(self.pipeline.reductions, ChunkTransfers):
@@ -461,12 +472,17 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.mesh_shape is not None
         return second_data_parallel_group(self.device_mesh, self.mesh_shape.shard_size)
 
-    def _build_pipeline(self, module: pl.LightningModule, base_seed: int, reduce_group: Any = None) -> Pipeline:
-        """Split, place, shard: no collectives in here (see ``setup``: errors are agreed on afterwards)."""
+    def _build_pipeline(
+        self, module: pl.LightningModule, base_seed: int, reduce_group: Any = None
+    ) -> PendingBuild[Pipeline]:
+        """Split and place: no collectives in here (see ``setup``: errors are agreed on afterwards). Returns the
+        initial state the replicas share (see lightning_bfpp.initial_state), and the rest of the build (sharding
+        the stages, which must see the shared values), run after that."""
         assert self.mesh_shape is not None
         named = pipeline_layers(module)
         ties = find_ties(module, named)
         _check_metrics(module)
+        check_no_collective_layers(named)
         # the whole model's parameter order, to read single-device optimizer states (see checkpoint.py)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
         weights = layer_weights(named)
@@ -477,7 +493,13 @@ class BFPPStrategy(ModelParallelStrategy):
         layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
         owner = [plan.rank_of(s) for s in layer_stage]
         check_shared_modules(named, layer_stage)
-        if self.config.schedule == "weight_passing":
+        weight_passing = self.config.schedule == "weight_passing"
+        warning = batch_statistics_warning(
+            batch_statistics_layers(named), layout.num_microbatches, layout.data_parallel_size, weight_passing
+        )
+        if warning is not None:
+            rank_zero_warn(warning)
+        if weight_passing:
             return self._build_weight_passing(module, named, ties, plan, layer_stage, base_seed)
         # which local slots share a tensor, before materializing breaks that (see lightning_bfpp.tied.retie)
         identities = record_identities(named, [i for i, rank in enumerate(owner) if rank == self.pipeline_rank])
@@ -487,22 +509,12 @@ class BFPPStrategy(ModelParallelStrategy):
         materialize_remaining(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        dp_mesh = self._sharding_mesh if self._sharding_mesh is not None else self.device_mesh[DATA_PARALLEL]
         stage_modules = []
         for stage in plan.stages_of(self.pipeline_rank):
             layers = [local[name] for name in plan.stage_layers(stage)]
             layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
             names = plan.stage_layers(stage)
-            stage_module = StageModule(layers, stage, names=names, is_last=stage == plan.num_stages - 1)
-            stage_modules.append(shard_stage(stage_module, dp_mesh, self.config.sharding))
-        reductions = None
-        mode = self._overlap_mode()
-        if mode is not None:
-            if mode == "thread":
-                for stage_module in stage_modules:
-                    stage_module.set_custom_reduce_scatter(_compat.ReduceScatterOn(reduce_group))
-            stages = dict(zip(plan.stages_of(self.pipeline_rank), stage_modules, strict=True))
-            reductions = GradientReductions(stages, mode)  # type: ignore[arg-type]
+            stage_modules.append(StageModule(layers, stage, names=names, is_last=stage == plan.num_stages - 1))
         rank_zero_info(
             f"BFPPStrategy: pipeline_parallel_size={layout.pipeline_parallel_size},"
             f" data_parallel_size={layout.data_parallel_size}, stages_per_rank={layout.stages_per_rank},"
@@ -516,23 +528,47 @@ class BFPPStrategy(ModelParallelStrategy):
                 " loop around the pipeline then waits for its first micro-batch to come back, so ranks idle."
                 " Use at least as many micro-batches as pipeline ranks."
             )
-        self._log_sync = LoggedValueSync(self.root_device)
-        return Pipeline(
-            module,
-            plan,
-            stage_modules,
-            self.device_mesh,
-            self.root_device,
-            schedule=self.config.schedule,
-            sharding=schedule_sharding(self.config.sharding),
-            num_microbatches=layout.num_microbatches,
-            microbatch_group_size=layout.microbatch_group_size,
-            prefetch_stages=self.config.prefetch_stages,
-            base_seed=base_seed,
-            reductions=reductions,
-            # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
-            agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
-            tied=self.tied,
+
+        def finish() -> Pipeline:
+            dp_mesh = self._sharding_mesh if self._sharding_mesh is not None else self.device_mesh[DATA_PARALLEL]
+            sharded = [shard_stage(stage_module, dp_mesh, self.config.sharding) for stage_module in stage_modules]
+            reductions = None
+            mode = self._overlap_mode()
+            if mode is not None:
+                if mode == "thread":
+                    for stage_module in sharded:
+                        stage_module.set_custom_reduce_scatter(_compat.ReduceScatterOn(reduce_group))
+                stages = dict(zip(plan.stages_of(self.pipeline_rank), sharded, strict=True))
+                reductions = GradientReductions(stages, mode)  # type: ignore[arg-type]
+            self._log_sync = LoggedValueSync(self.root_device)
+            return Pipeline(
+                module,
+                plan,
+                sharded,
+                self.device_mesh,
+                self.root_device,
+                schedule=self.config.schedule,
+                sharding=schedule_sharding(self.config.sharding),
+                num_microbatches=layout.num_microbatches,
+                microbatch_group_size=layout.microbatch_group_size,
+                prefetch_stages=self.config.prefetch_stages,
+                base_seed=base_seed,
+                reductions=reductions,
+                # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
+                agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
+                tied=self.tied,
+            )
+
+        # the layers of pipeline rank k take data-parallel rank 0 of pipeline rank k's values (each layer drawn
+        # once, by one process, as under DDP), the buffers every rank keeps outside the layers global rank 0's
+        replicas = self.device_mesh[DATA_PARALLEL].get_group() if layout.data_parallel_size > 1 else None
+        layer_names = [name for name, _ in named]
+        return PendingBuild(
+            [
+                Broadcast(local_state(stage_modules), 0, replicas),
+                Broadcast(buffers_outside(module, layer_names), 0, dist.group.WORLD if self.world_size > 1 else None),
+            ],
+            finish,
         )
 
     def _build_weight_passing(
@@ -543,10 +579,15 @@ class BFPPStrategy(ModelParallelStrategy):
         plan: StagePlan,
         layer_stage: list[int],
         base_seed: int,
-    ) -> Pipeline:
+    ) -> PendingBuild[Pipeline]:
         """Weight passing: one chunk per rank, owned whole by the rank TawPipe's placement gives it; the
         LightningModule keeps the owned layers (so the optimizer and checkpoints see exactly those), the other
-        chunks' layers are kept beside it with no storage until fetched (see lightning_bfpp.weight_passing)."""
+        chunks' layers are kept beside it with no storage until fetched (see lightning_bfpp.weight_passing).
+
+        A chunk's parameters and persistent buffers are its owner's: the buffers travel with every fetch, and at
+        setup every buffer of a chunk (persistent or not) takes the owner's value, as do the buffers outside the
+        layers global rank 0's. Borrowed layers run in the LightningModule's mode (``train()`` / ``eval()``),
+        which Lightning sets on the module and so on its own layers only."""
         assert self.layout is not None
         if ties:
             raise ValueError(
@@ -564,19 +605,27 @@ class BFPPStrategy(ModelParallelStrategy):
             if rank != me:
                 materialize_meta(layer, device)
                 borrowed[name] = self.precision_plugin.convert_module(layer.to(device))
+                follow_mode(borrowed[name], module)
         self.tied = retie(identities, ties, layer_stage, chunk_owner)  # a layer's own ties, broken by to_empty
         materialize_remaining(module, device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         layers_by_name = {**local, **borrowed}
         stage_modules, chunks = [], []
+        world = dist.group.WORLD if self.world_size > 1 else None
+        broadcasts = [Broadcast(buffers_outside(module, [name for name, _ in named]), 0, world)]
         for c in range(plan.num_stages):
             names = plan.stage_layers(c)
             layers = [layers_by_name[name] for name in names]
+            broadcasts.append(Broadcast(local_state(layers, parameters=False), chunk_owner[c], world))
             layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
             stage_module = StageModule(layers, c, names=names, is_last=c == plan.num_stages - 1)
             stage_modules.append(stage_module)
-            chunks.append(ChunkWeights(list(stage_module.parameters()), owned=chunk_owner[c] == me))
+            chunks.append(
+                ChunkWeights(
+                    list(stage_module.parameters()), owned=chunk_owner[c] == me, buffers=chunk_buffers(stage_module)
+                )
+            )
         weights = layer_weights(named)
         rank_zero_info(
             f"BFPPStrategy: schedule=weight_passing over {self.world_size} ranks ({topology.num_nodes} node(s) of"
@@ -587,21 +636,26 @@ class BFPPStrategy(ModelParallelStrategy):
                 for c in range(plan.num_stages)
             )
         )
-        self._log_sync = LoggedValueSync(device)
-        return Pipeline(
-            module,
-            plan,
-            stage_modules,
-            self.device_mesh,
-            device,
-            schedule="weight_passing",
-            sharding="weight_passing",
-            num_microbatches=self.layout.num_microbatches,
-            prefetch_stages=self.config.prefetch_stages,
-            base_seed=base_seed,
-            reductions=ChunkTransfers(chunks, topology, me),
-            agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
-        )
+        layout = self.layout
+
+        def finish() -> Pipeline:
+            self._log_sync = LoggedValueSync(device)
+            return Pipeline(
+                module,
+                plan,
+                stage_modules,
+                self.device_mesh,
+                device,
+                schedule="weight_passing",
+                sharding="weight_passing",
+                num_microbatches=layout.num_microbatches,
+                prefetch_stages=self.config.prefetch_stages,
+                base_seed=base_seed,
+                reductions=ChunkTransfers(chunks, topology, me),
+                agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
+            )
+
+        return PendingBuild(broadcasts, finish)
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -628,6 +682,12 @@ class BFPPStrategy(ModelParallelStrategy):
         if batch_idx % accumulate == 0:
             self._zero_grad(trainer, batch_idx)
         tracer = self._trace.start_step() if self._trace is not None else None
+        # a `mean_over_items` step (or one not seen yet) reduces each batch's gradients on their own, apart from
+        # what the accumulation window already holds, to divide them by the batch's item count after the step
+        # decided per window: a window's batches are either all reduced on their own or all accumulated
+        if batch_idx % accumulate == 0 or self._per_batch_window is None:
+            self._per_batch_window = self.pipeline.normalizes_items is not False
+        per_batch = self._per_batch_window
         with self.precision_plugin.train_step_context():
             result = self.pipeline.run(
                 "training_step",
@@ -639,17 +699,37 @@ class BFPPStrategy(ModelParallelStrategy):
                 step_key=(0, trainer.current_epoch, batch_idx),
                 last_batch=trainer.fit_loop.epoch_loop.batch_progress.is_last_batch,
                 # within an accumulation window gradients are reduced once, with the window's last batch
-                reduce_grads=not lc.should_accumulate(trainer),
+                reduce_grads=per_batch or not lc.should_accumulate(trainer),
+                set_aside_grads=per_batch,
             )
         sync_start = tracer.now() if tracer is not None else 0.0
-        lc.call_callback_hooks(trainer, "on_after_backward")
-        lc.call_module_hook(trainer, "on_after_backward")
-        loss = self._share_logs(result, torch.stack(result.losses).mean() if result.losses else None)
+        shared = self._share_logs(result)
+        self._normalize_gradients(shared.loss_items, shared.replicas, per_batch, accumulate)
         if tracer is not None and self._trace is not None:
             # sharing the logged values waits for the pipeline's slowest rank: part of the drain
             tracer.add("step_sync", sync_start, tracer.now())
+        lc.call_callback_hooks(trainer, "on_after_backward")
+        lc.call_module_hook(trainer, "on_after_backward")
+        if tracer is not None and self._trace is not None:
             self._trace.end_pipeline(trainer.global_step, self._trace_title())
-        return loss
+        return shared.loss
+
+    def _normalize_gradients(self, items: float | None, replicas: int, per_batch: bool, accumulate: int) -> None:
+        """Divide a ``mean_over_items`` batch's gradients by its global item count (see lightning_bfpp.loss).
+
+        The step backpropagated each micro-batch's summed loss, and the data-parallel reduction divided the
+        gradients by the number of replicas: ``replicas / items`` makes them the global batch's item mean.
+        """
+        assert self.pipeline is not None
+        if items is not None and not per_batch and accumulate > 1:
+            raise RuntimeError(
+                "BFPPStrategy: `training_step` returned `mean_over_items(...)` after earlier steps returned a plain"
+                " loss, inside a gradient-accumulation window. Return the same kind of loss for every batch."
+            )
+        if self.pipeline.normalizes_items is None:
+            self.pipeline.normalizes_items = items is not None
+        factor = None if items is None else replicas / max(items, 1.0)
+        self.pipeline.batch_gradients.finish(factor)
 
     def _trace_title(self) -> str:
         assert self.layout is not None
@@ -670,14 +750,17 @@ class BFPPStrategy(ModelParallelStrategy):
         lc.call_module_hook(trainer, "on_before_zero_grad", optimizer)
         lc.call_module_hook(trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer)
 
-    def _share_logs(self, result: StepResult, loss: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay the step's logs on every rank; return the step's loss averaged like the logged values.
+    def _share_logs(self, result: StepResult) -> SharedStep:
+        """Replay the step's logs on every rank; return the step's loss averaged like the logged values (for a
+        ``mean_over_items`` step, with the global item count).
 
-        Also where a step that failed on a last-stage rank is raised on every rank (see LoggedValueSync).
+        Also where a step that failed on a last-stage rank is raised on every rank, and where the ranks of each
+        pipeline are checked to have run the same batch (see LoggedValueSync).
         """
         assert self._log_sync is not None and self.pipeline is not None and self.lightning_module is not None
         module = self.lightning_module
         specs = values = None
+        loss, items = result.loss_and_items()
         if self.pipeline.holds_last_stage and result.failure.error is None:
             try:
                 specs, values = combine_microbatches(
@@ -687,7 +770,7 @@ class BFPPStrategy(ModelParallelStrategy):
             except Exception as error:
                 result.failure.record(error, self.pipeline.rank_label)
                 specs = values = None
-        specs, values, loss = self._log_sync.share(
+        shared = self._log_sync.share(
             specs,
             values,
             loss,
@@ -696,9 +779,12 @@ class BFPPStrategy(ModelParallelStrategy):
             result.batch_digest,
             result.batch_description,
             stop_requested=self._sigterm_noted(),
+            loss_items=items,
+            content_digest=result.content_digest,
+            pipelines=self.pipeline.pipelines,
         )
-        replay(module, specs, values, metric_updated=self.pipeline.holds_last_stage)
-        return loss
+        replay(module, shared.specs, shared.values, metric_updated=self.pipeline.holds_last_stage)
+        return shared
 
     def _clip_grad_by_norm(self, plugin: Precision, optimizer: Optimizer, clip_val: float) -> None:
         clipping.clip_grad_norm(
@@ -753,13 +839,16 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The batch's predictions, on every rank of the pipeline that computed them."""
+        """The batch's predictions as one device returns them, on every rank of the pipeline that computed them."""
+        from lightning_bfpp.microbatch import batch_size
+
         assert self.pipeline is not None
         result = self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
         merged: list[Any] = [None]
         if self.pipeline.holds_last_stage and result.failure.error is None:
             try:
-                merged = [merge_microbatches(result.outputs)]
+                microbatch_size = batch_size(args[0]) // result.num_microbatches
+                merged = [merge_microbatches(result.outputs, microbatch_size)]
             except Exception as error:
                 result.failure.record(error, self.pipeline.rank_label)
         # the point after the schedule where every rank meets: a failed predict_step is raised everywhere
@@ -797,8 +886,10 @@ class BFPPStrategy(ModelParallelStrategy):
                 ordered = in_dataset_order(gathered, getattr(batch_sampler, "batch_size", None) or 1)
             if ordered is None:
                 rank_zero_warn(
-                    "BFPPStrategy: the predictions have no per-sample structure (tensors or lists whose first"
-                    " dimension is the batch), so `trainer.predict` returns this replica's share only, as with DDP."
+                    "BFPPStrategy: the predictions have no per-sample values (tensors or lists whose first"
+                    " dimension is the batch), or hold batch-level values that differ between batches, so they"
+                    " cannot be put back into one device's batches: `trainer.predict` returns this replica's"
+                    " share only, as with DDP."
                 )
                 continue
             results[dataloader_idx][:] = ordered

@@ -33,8 +33,9 @@ This module does not import Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_bfpp._compat import buffer_slots, parameter_slots
 from lightning_bfpp.agreement import AgreedError
 
 
@@ -134,8 +136,8 @@ def check_shared_modules(named: Sequence[tuple[str, nn.Module]], layer_stage: Se
 
 @dataclass
 class _Slot:
-    """Where a local layer holds a tensor: ``module._parameters[attr]`` (or ``_buffers``), named ``name`` in layer
-    ``layer``."""
+    """Where a local layer holds a tensor: ``parameter_slots(module)[attr]`` (or ``buffer_slots``), named ``name``
+    in layer ``layer``."""
 
     module: nn.Module
     attr: str
@@ -157,10 +159,10 @@ def record_identities(named: Sequence[tuple[str, nn.Module]], local_layers: Sequ
     for index in local_layers:
         for prefix, sub in named[index][1].named_modules(remove_duplicate=False):
             dotted = f"{prefix}." if prefix else ""
-            for attr, param in sub._parameters.items():
+            for attr, param in parameter_slots(sub).items():
                 if param is not None:
                     record.parameters.setdefault(id(param), []).append(_Slot(sub, attr, index, dotted + attr))
-            for attr, buffer in sub._buffers.items():
+            for attr, buffer in buffer_slots(sub).items():
                 if buffer is not None:
                     record.buffers.setdefault(id(buffer), []).append(_Slot(sub, attr, index, dotted + attr))
     return record
@@ -181,7 +183,7 @@ class _Group:
     @property
     def local(self) -> dict[int, nn.Parameter]:
         """Stage -> this rank's copy, as it is now (read from its module, so sharding is followed)."""
-        return {stage: slot.module._parameters[slot.attr] for stage, slot in self.slots.items()}  # type: ignore[misc]
+        return {stage: parameter_slots(slot.module)[slot.attr] for stage, slot in self.slots.items()}  # type: ignore[misc]
 
 
 def retie(
@@ -202,11 +204,11 @@ def retie(
     local: dict[str, dict[int, _Slot]] = {}
     with torch.no_grad():
         for slots in identities.buffers.values():
-            _retie_slots(slots, layer_stage, "_buffers", first_stage=None, copy_across_stages=False)
+            _retie_slots(slots, layer_stage, buffer_slots, first_stage=None, copy_across_stages=False)
         for slots in identities.parameters.values():
             group = next((group_of[(s.layer, s.name)] for s in slots if (s.layer, s.name) in group_of), None)
             first = layer_stage[group.owner.layer] if group is not None else None
-            per_stage = _retie_slots(slots, layer_stage, "_parameters", first_stage=first, copy_across_stages=True)
+            per_stage = _retie_slots(slots, layer_stage, parameter_slots, first_stage=first, copy_across_stages=True)
             if group is not None:
                 local[group.canonical] = per_stage
     tied = []
@@ -222,7 +224,12 @@ def retie(
 
 
 def _retie_slots(
-    slots: Sequence[_Slot], layer_stage: Sequence[int], kind: str, *, first_stage: int | None, copy_across_stages: bool
+    slots: Sequence[_Slot],
+    layer_stage: Sequence[int],
+    slots_of: Callable[[nn.Module], dict[str, Any]],
+    *,
+    first_stage: int | None,
+    copy_across_stages: bool,
 ) -> dict[int, _Slot]:
     """Give every stage's slots one tensor (the stage's first slot's); with ``copy_across_stages``, a distinct
     Parameter per stage, ``first_stage`` (the owner's) keeping the original where it is still shared. Returns
@@ -233,13 +240,13 @@ def _retie_slots(
     for slot in sorted(slots, key=lambda s: (layer_stage[s.layer] != first_stage, layer_stage[s.layer])):
         stage = layer_stage[slot.layer]
         if stage not in per_stage:
-            current = getattr(slot.module, kind)[slot.attr]
+            current = slots_of(slot.module)[slot.attr]
             if copy_across_stages and id(current) in taken:
                 current = nn.Parameter(current.detach().clone(), requires_grad=current.requires_grad)
             per_stage[stage] = current
             first_slot[stage] = slot
             taken.add(id(current))
-        getattr(slot.module, kind)[slot.attr] = per_stage[stage]
+        slots_of(slot.module)[slot.attr] = per_stage[stage]
     return first_slot
 
 

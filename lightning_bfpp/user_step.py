@@ -28,6 +28,7 @@ from torchmetrics import Metric
 
 from lightning_bfpp._compat import instance_attributes, tree_flatten
 from lightning_bfpp._lightning_compat import metric_state_snapshot, metric_step_value, restore_metric_state
+from lightning_bfpp.loss import item_sum
 
 # `self.log`'s options and defaults, read once: a step logs per micro-batch, so no per-call signature binding
 _LOG_OPTIONS = list(inspect.signature(LightningModule.log).parameters.values())[3:]  # after self, name, value
@@ -176,6 +177,8 @@ class LoggedValue:
     value: torch.Tensor | Metric
     options: dict[str, Any]
     metric_step_value: torch.Tensor | None = None  # a metric's forward value when it was logged
+    # a `mean_over_items` value: its summed loss and item count, combined as one sum over one count
+    items: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -193,6 +196,11 @@ class LogRecorder:
         options = {**_LOG_DEFAULTS, **dict(zip(_LOG_POSITIONAL, args, strict=False)), **kwargs}
         if isinstance(value, numbers.Number):
             value = torch.tensor(value, dtype=torch.float32)
+        summed = item_sum(value)
+        if summed is not None:
+            items = (summed.total.detach().reshape(()), summed.count)
+            self.records.append(LoggedValue(name, value.detach().reshape(()), options, items=items))
+            return
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(

@@ -11,6 +11,24 @@ topology:
 - gradient: a reduce inside each node to the rail member, then one point-to-point transfer along the rail
   to the owner, who adds the nodes' sums.
 
+A chunk's persistent buffers (its state in ``state_dict``, e.g. running statistics) are its owner's too and
+travel with every fetch, packed as bytes after the weights. They cannot follow one device exactly: every rank
+runs its own micro-batches through a chunk at once, where one device would run all of them one after another,
+each updating the buffers the next one reads. What this package does instead is DDP's ``broadcast_buffers``
+with the chunk's owner as the source:
+
+- the owner's forwards update its buffers, once per micro-batch, in micro-batch order (the backward's
+  recomputation runs with the values the forward saw and leaves them as they were): the running statistics
+  of one device that ran the owner's micro-batches alone;
+- every other rank computes with the owner's values as fetched for that visit (with ``prefetch_stages`` 0 or
+  1: those the owner computes the same micro-batch with), and its forward leaves them unchanged: its own
+  updates are dropped, like a DDP replica's that rank 0's broadcast overwrites;
+- checkpoints hold the owner's buffers, and between fetches every rank's copy is the owner's last sent one.
+
+So a running statistic counts ``1 / world_size`` of the samples one device would. Non-persistent buffers
+(derived constants, which ``state_dict`` leaves out) take the owner's values once, at setup, and stay each
+rank's own.
+
 Nothing of a chunk's forward is stored but its input: its backward recomputes the forward (with the random
 state the forward had) and then frees the graph, so a rank holds its own chunk, at most ``prefetch + 1``
 fetched chunks and the chunk inputs of one micro-batch. The last chunk's forward keeps its graph, since its
@@ -38,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bfpp._compat import tree_flatten
+from lightning_bfpp.initial_state import local_state, pack, unpack
 from lightning_bfpp.schedule import Action, Kind
 from lightning_bfpp.topology import NodeTopology
 
@@ -46,11 +65,17 @@ TopologyGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]  # (n
 
 class ChunkWeights:
     """One chunk's parameters on this rank: the real values on its owner; elsewhere storage only while the
-    schedule holds the chunk (the parameters' ``.data`` become views of the received buffer, then empty)."""
+    schedule holds the chunk (the parameters' ``.data`` become views of the received buffer, then empty).
 
-    def __init__(self, params: Sequence[nn.Parameter], owned: bool) -> None:
+    ``buffers``: the chunk's persistent buffers, which travel with the weights (see the module's docstring);
+    every rank keeps their storage, they are small.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], owned: bool, buffers: Sequence[torch.Tensor] = ()) -> None:
         self.params = list(params)
         self.owned = owned
+        self.buffers = list(buffers)
+        self.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
@@ -74,6 +99,24 @@ class ChunkWeights:
         """Point the parameters at a received buffer."""
         for p, view, shape in zip(self.params, flat.split(self.numels), self.shapes, strict=True):
             p.data = view.view(shape)
+
+    def flat_buffers(self) -> torch.Tensor | None:
+        """The buffers' current values as one byte buffer to send, or None for a chunk without buffers."""
+        return pack(self.buffers) if self.buffer_bytes else None
+
+    def load_buffers(self, flat: torch.Tensor | None) -> None:
+        """Take the values of a received :meth:`flat_buffers`."""
+        if flat is not None:
+            unpack(flat, self.buffers)
+
+    def save_buffers(self) -> list[torch.Tensor]:
+        """A copy of the buffers' values, for :meth:`restore_buffers`."""
+        return [b.detach().clone() for b in self.buffers]
+
+    @torch.no_grad()
+    def restore_buffers(self, saved: Sequence[torch.Tensor]) -> None:
+        for buffer, value in zip(self.buffers, saved, strict=True):
+            buffer.copy_(value)
 
     def release(self) -> None:
         for p in self.params:
@@ -120,7 +163,7 @@ class ChunkTransfers:
         self.reduce_node_group: dist.ProcessGroup | None = None  # the reductions' groups
         self.reduce_rail_group: dist.ProcessGroup | None = None
         self._executors: dict[str, ThreadPoolExecutor] = {}
-        self._fetches: dict[int, Future[torch.Tensor]] = {}
+        self._fetches: dict[int, Future[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._resident: set[int] = {c for c, chunk in enumerate(self.chunks) if chunk.owned}
         self._pending: list[Future[None]] = []
         self._sums: dict[int, torch.Tensor] = {}  # the owner's gradient sums since the last finish()
@@ -138,15 +181,22 @@ class ChunkTransfers:
         self.node_group, self.rail_group = fetch_groups
         self.reduce_node_group, self.reduce_rail_group = reduce_groups
 
-    def _fetch_job(self, chunk: int) -> torch.Tensor:
-        topo, me = self.topology, self.rank
+    def _fetch_job(self, chunk: int, buffers: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's weights, and its buffers (``buffers``: the owner's values, taken when the fetch was issued)."""
         weights = self.chunks[chunk]
+        if self.rank == self.topology.chunk_owner(chunk):
+            sent = self._route(chunk, weights.flat_values())
+            return sent, self._route(chunk, buffers) if buffers is not None else None
+        received = self._route(chunk, torch.empty(weights.numel, dtype=weights.dtype, device=weights.device))
+        if not weights.buffer_bytes:
+            return received, None
+        return received, self._route(chunk, torch.empty(weights.buffer_bytes, dtype=torch.uint8, device=weights.device))
+
+    def _route(self, chunk: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Fill ``buffer`` with the owner's: along the rail to every other node, then inside each node."""
+        topo, me = self.topology, self.rank
         owner = topo.chunk_owner(chunk)
         owner_node, my_node = topo.node_of(owner), topo.node_of(me)
-        if me == owner:
-            buffer = weights.flat_values()
-        else:
-            buffer = torch.empty(weights.numel, dtype=weights.dtype, device=weights.device)
         sends = []
         if me == owner:  # once along the rail to every other node
             for node in range(topo.num_nodes):
@@ -188,17 +238,21 @@ class ChunkTransfers:
 
     def fetch(self, chunk: int) -> None:
         """Start fetching ``chunk`` (every rank takes part, the owner too); no-op if it is here or on its way."""
-        if chunk in self._fetches or (chunk in self._resident and not self.chunks[chunk].owned):
+        weights = self.chunks[chunk]
+        if chunk in self._fetches or (chunk in self._resident and not weights.owned):
             return
-        self._fetches[chunk] = self._submit("fetch", lambda: self._fetch_job(chunk))
+        # the owner's buffers as they are now, in the schedule's order: the forwards after this one change them
+        buffers = weights.flat_buffers() if weights.owned else None
+        self._fetches[chunk] = self._submit("fetch", lambda: self._fetch_job(chunk, buffers))
 
     def ready(self, chunk: int) -> None:
         """Wait until ``chunk``'s weights are here."""
         future = self._fetches.pop(chunk, None)
         if future is not None:
-            buffer = future.result()
+            weights, buffers = future.result()
             if not self.chunks[chunk].owned:
-                self.chunks[chunk].borrow(buffer)
+                self.chunks[chunk].borrow(weights)
+                self.chunks[chunk].load_buffers(buffers)
             self._resident.add(chunk)
         if chunk not in self._resident:
             raise RuntimeError(f"lightning_bfpp: chunk {chunk} computed without being fetched first")
@@ -284,6 +338,10 @@ class WeightPassingRunner:
     ``run(arg_mbs, kwarg_mbs, targets)``, ``loss_fn(output, target)`` called on the last chunk's output
     of every micro-batch (its result, already scaled, is what the backward starts from), and
     ``last_inputs``. ``action_range(name)`` wraps each action (the trace's hook).
+
+    Each backward's parameter gradient is handed to the chunk's owner by the action list's REDUCE_GRAD. A list
+    without any (one process, which owns every chunk: nothing is sent, see ``Pipeline.lowered_schedule``)
+    leaves the gradients accumulating in ``.grad``, as on one device.
     """
 
     def __init__(
@@ -305,6 +363,7 @@ class WeightPassingRunner:
         self.backward = backward
         self.device = device
         self.inferring_metadata = False  # no shape inference: nothing is sent
+        self.reduces = any(action.kind is Kind.REDUCE_GRAD for action in self.actions)
         self.last_inputs: tuple[list[Any], list[Any]] | None = None
         self.action_range: Callable[[str], Any] = _no_range
         self._ready = transfers.ready
@@ -350,18 +409,27 @@ class WeightPassingRunner:
                         args = arg_mbs[mb] if c == 0 else _as_args(outputs.pop((c - 1, mb)))
                         kwargs = kwarg_mbs[mb]
                         self._ready(c)
+                        weights = self.transfers.chunks[c]
+                        # the buffers this forward computes with: what its recomputation must see again, and on
+                        # a borrower what its forward must leave (the owner's values, see the module docstring)
+                        before = weights.save_buffers()
                         if self.backward and c == last:
                             inputs = _requiring_grad(args)
                             output = self.chunks[c](*inputs, **kwargs)
-                            saved[(c, mb)] = (inputs, self.loss_fn(output, target_mbs[mb]))
+                            # a borrower's buffers are restored after the backward: its graph may hold them
+                            saved[(c, mb)] = (inputs, self.loss_fn(output, target_mbs[mb]), before)
                         elif self.backward:
                             state = _RandomState(self.device)
                             with torch.no_grad():
                                 outputs[(c, mb)] = self.chunks[c](*args, **kwargs)
-                            saved[(c, mb)] = (args, kwargs, state)
+                            saved[(c, mb)] = (args, kwargs, state, before)
+                            if not weights.owned:
+                                weights.restore_buffers(before)
                         else:
                             with torch.no_grad():
                                 output = self.chunks[c](*args, **kwargs)
+                            if not weights.owned:
+                                weights.restore_buffers(before)
                             if c == last:
                                 self.loss_fn(output, target_mbs[mb])
                             else:
@@ -370,16 +438,22 @@ class WeightPassingRunner:
                         assert mb is not None
                         self._ready(c)
                         weights = self.transfers.chunks[c]
-                        # the owner's accumulated gradients step aside: only this backward's part is sent
                         accumulated = [p.grad for p in weights.params]
-                        for p in weights.params:
-                            p.grad = None
+                        if self.reduces:  # the owner's accumulated gradients step aside: only this backward's is sent
+                            for p in weights.params:
+                                p.grad = None
                         if c == last:
-                            inputs, loss = saved.pop((c, mb))
+                            inputs, loss, before = saved.pop((c, mb))
                             loss.backward()
+                            if not weights.owned:
+                                weights.restore_buffers(before)
                         else:
-                            args, kwargs, state = saved.pop((c, mb))
+                            args, kwargs, state, before = saved.pop((c, mb))
                             inputs = _requiring_grad(args)
+                            # recompute with the buffers the forward saw, and leave them as they are now: the
+                            # forward's update counts once
+                            current = weights.save_buffers()
+                            weights.restore_buffers(before)
                             with state.restored(), torch.enable_grad():
                                 output = self.chunks[c](*inputs, **kwargs)
                             pairs = [
@@ -389,13 +463,15 @@ class WeightPassingRunner:
                             ]
                             if pairs:
                                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                            weights.restore_buffers(current)
                         if c > 0:
                             grads[(c - 1, mb)] = tuple(
                                 i.grad if isinstance(i, torch.Tensor) and i.requires_grad else None for i in inputs
                             )
-                        chunk_grads[c] = weights.take_gradient()
-                        for p, grad in zip(weights.params, accumulated, strict=True):
-                            p.grad = grad
+                        if self.reduces:
+                            chunk_grads[c] = weights.take_gradient()
+                            for p, grad in zip(weights.params, accumulated, strict=True):
+                                p.grad = grad
         finally:
             self.transfers.release_all()
 
@@ -414,3 +490,20 @@ def topology_groups(topology: NodeTopology) -> TopologyGroups:
         node_group if topology.processes_per_node > 1 else None,
         rail_group if topology.num_nodes > 1 else None,
     )
+
+
+def chunk_buffers(chunk: nn.Module) -> list[torch.Tensor]:
+    """The chunk's persistent buffers (those its ``state_dict`` holds), each once: what travels with it."""
+    persistent = {id(t) for t in chunk.state_dict(keep_vars=True).values()}
+    return [b for b in local_state([chunk], parameters=False) if id(b) in persistent]
+
+
+def follow_mode(layer: nn.Module, module: nn.Module) -> None:
+    """Run ``layer`` in ``module``'s mode: a borrowed layer is not a submodule of the LightningModule, whose
+    ``train()`` / ``eval()`` (Lightning's, around evaluation) would otherwise never reach it."""
+
+    def hook(layer: nn.Module, args: Any) -> None:
+        if layer.training != module.training:
+            layer.train(module.training)
+
+    layer.register_forward_pre_hook(hook)

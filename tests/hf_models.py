@@ -6,7 +6,8 @@
   ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ..., "pretrained": folder}``.
 - :func:`hf_loader` (``RunSpec.loader_factory``) and :func:`hf_reference_run`: the same token data for the
   pipelined run and its one-device reference (``tests.models.reference_run`` builds the regression data of
-  ``PipeNet``; this one builds token batches, with the same sampler).
+  ``PipeNet``; this one builds token batches, with the same sampler). ``run.data`` goes to :class:`TokenData`:
+  ``{"packed": True}`` gives packed documents with ``position_ids`` and no attention mask.
 """
 
 from __future__ import annotations
@@ -111,20 +112,44 @@ def hf_module(run: RunSpec) -> L.LightningModule:
     return regressor(config, num_labels=spec.get("num_labels"), pooling=spec.get("pooling", "mean"), lr=lr)
 
 
+def packed_positions(lengths: list[int]) -> torch.Tensor:
+    """The ``position_ids`` of documents of ``lengths`` packed into one row: from 0 again at each document."""
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def packed_labels(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``DataCollatorWithFlattening``'s labels: the ids, ``-100`` at each document's first token."""
+    return input_ids.masked_fill(position_ids == 0, -100)
+
+
 class TokenData(Dataset):
     """Random token sequences with padding, the same on every process.
 
     Causal LMs: every sample has the same number of label tokens (9 of 12, left or right padded), so every
     micro-batch holds as many and its mean loss composes into the one-device token mean.
+    ``packed=True`` (causal LMs): no padding and no attention mask; each row holds three documents of random
+    lengths, with ``position_ids`` restarting at each and labels ``-100`` at each one's first token, as
+    ``transformers.DataCollatorWithFlattening`` makes them (9 label tokens per row after the shift, too).
     Encoders: padding of varying length, and a regression target (or class) per sample.
     """
 
-    def __init__(self, family: str, num_samples: int = 64, seed: int = 1, num_labels: int | None = None) -> None:
+    def __init__(
+        self, family: str, num_samples: int = 64, seed: int = 1, num_labels: int | None = None, packed: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.input_ids = torch.randint(3, VOCAB, (num_samples, SEQ_LEN), generator=g)
         self.attention_mask = torch.ones(num_samples, SEQ_LEN, dtype=torch.long)
         causal = family in CAUSAL_FAMILIES
-        for i in range(num_samples):
+        if packed and not causal:
+            raise ValueError("packed documents are a causal LM's batches")
+        self.position_ids: torch.Tensor | None = None
+        if packed:  # lengths a + 1, b - a + 1 and 10 - b (a < b drawn from 0 … 8): at least 1, 2 and 2 tokens
+            rows = []
+            for _ in range(num_samples):
+                a, b = sorted(torch.randperm(SEQ_LEN - 3, generator=g)[:2].tolist())
+                rows.append(packed_positions([a + 1, b - a + 1, SEQ_LEN - b - 2]))
+            self.position_ids = torch.stack(rows)
+        for i in range(num_samples if not packed else 0):
             if causal and i % 2:  # left padding on odd samples: labels at positions 3 … 11
                 self.attention_mask[i, :3] = 0
             elif causal:  # right padding: labels at 1 … 9 (the shift drops position 0's), 9 as well
@@ -143,6 +168,10 @@ class TokenData(Dataset):
         return len(self.input_ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.position_ids is not None:
+            positions = self.position_ids[i]
+            ids = self.input_ids[i]
+            return {"input_ids": ids, "position_ids": positions, "labels": packed_labels(ids, positions)}
         item = {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i]}
         if not self.causal:
             item["labels"] = self.labels[i]

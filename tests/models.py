@@ -7,6 +7,7 @@ identical weights and see identical samples.
 
 from __future__ import annotations
 
+import glob
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,8 @@ class ModelSpec:
     metrics: bool = False  # torchmetrics MeanAbsoluteError logged from the training, validation and test steps
     strided: bool = False  # a last layer that transposes, and a loss whose gradient is expanded (stride 0)
     scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
+    # "labelled": predict_step also returns per-sample label strings and a batch-level constant
+    predict_output: str = "tensors"
 
 
 class LayerStack(L.LightningModule):
@@ -148,7 +151,11 @@ class PipeNet(L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         x, _ = self._unpack(batch)
         out = self(x)
-        return {"prediction": out, "argmax": out.argmax(-1)}
+        prediction = {"prediction": out, "argmax": out.argmax(-1)}
+        if self.spec.predict_output == "labelled":
+            prediction["labels"] = [f"class {k}" for k in prediction["argmax"].tolist()]
+            prediction["head"] = "pipenet-v1"
+        return prediction
 
     def configure_optimizers(self) -> Any:
         s = self.spec
@@ -217,6 +224,9 @@ class RunSpec:
     loader_factory: str | None = None
     # the run is expected to raise: every rank records the exception instead of failing, and the next run goes on
     expect_error: bool = False
+    # a glob of files of full parameters (by name) the module starts from once built: a one-device reference
+    # of a run whose start no seed makes (see the worker's "save_initial_params" check)
+    initial_params: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,10 +242,26 @@ def load_factory(path: str) -> Any:
 
 def make_model(run: RunSpec) -> L.LightningModule:
     if run.model_factory is not None:
-        return load_factory(run.model_factory)(run)
-    spec = dict(run.model)
-    spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
-    return PipeNet(**spec)
+        model = load_factory(run.model_factory)(run)
+    else:
+        spec = dict(run.model)
+        spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
+        model = PipeNet(**spec)
+    if run.initial_params is not None:
+        load_initial_params(model, run.initial_params)
+    return model
+
+
+def load_initial_params(model: nn.Module, pattern: str) -> None:
+    """Set every parameter of ``model`` from the files matching ``pattern`` (each a {name: full tensor} dict)."""
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(pattern)):
+        saved.update(torch.load(path))
+    missing = [name for name, _ in model.named_parameters() if name not in saved]
+    assert not missing, f"no initial value for {missing} in {pattern}"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(saved[name])
 
 
 def model_spec(run: RunSpec) -> ModelSpec:
@@ -335,6 +361,27 @@ def after_fit(trainer: L.Trainer, model: L.LightningModule, run: RunSpec, batch_
     return out
 
 
+def assert_same_predictions(got: Any, want: Any, tol: float, where: str = "predictions") -> None:
+    """``trainer.predict``'s result has one device's structure and types; float tensors agree within ``tol``."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} vs {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), f"{where}: {got.shape} vs {want.shape}"
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=tol, atol=1e-6, msg=lambda m: f"{where}: {m}")
+        else:
+            assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            assert_same_predictions(got[key], want[key], tol, f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: {len(got)} items vs {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_predictions(g, w, tol, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
 def trainer_defaults(run: RunSpec) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "max_steps": 6,
@@ -390,6 +437,8 @@ class StepRecorder(L.Callback):
         self._grad_norm = None
         if isinstance(batch, dict) and "index" in batch:
             record["indices"] = batch["index"].tolist()
+        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+            record["batch_shape"] = list(batch["input_ids"].shape)
         self.steps.append(record)
 
 

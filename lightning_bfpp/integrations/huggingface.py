@@ -5,17 +5,24 @@ between each other. A ``transformers`` model is one ``forward`` that builds atte
 once and hands them, with a cache, to every block; this module cuts it into layers that each rebuild what
 they need from a few small tensors:
 
-- **embeddings** — ``(input_ids, attention_mask=None, position_ids=None)`` (encoders: ``token_type_ids``
-  instead of ``position_ids``) to ``(hidden_states, attention_mask, position_ids)`` (encoders:
-  ``(hidden_states, attention_mask)``). A missing mask becomes all ones, a missing ``position_ids``
-  ``arange(seq_len)[None]``, as the model's own forward does;
-- **one layer per transformer block** — builds the 4-D mask from the 2-D one with ``transformers``' own mask
-  functions (so the configured attention implementation decides its form) and, for rotary models, the
-  ``(cos, sin)`` table from ``position_ids`` with its own copy of the model's rotary embedding, then calls
-  the model's real block (``GPT2Block``, ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``BertLayer``,
-  ``RobertaLayer``) with its weights, ``use_cache=False``;
+- **embeddings** — ``(input_ids, attention_mask=None, position_ids=None, token_type_ids=None)`` (GPT-2 takes
+  token types, Llama and Qwen2 do not; encoders: ``(input_ids, attention_mask, token_type_ids, position_ids)``)
+  to ``(hidden_states, attention_mask, position_ids)`` (encoders: ``(hidden_states, attention_mask)``). A
+  missing ``position_ids`` becomes ``arange(seq_len)[None]``, as the model's own forward does. Only tensors
+  enter the pipeline and cross stages, yet a causal LM's mask must stay "none" when the batch has none:
+  ``transformers`` separates packed documents (``position_ids`` restarting at 0, as
+  ``DataCollatorWithFlattening`` makes them) only when no 2-D mask is given. So a missing mask travels as one
+  column of ones, which the blocks read as none;
+- **one layer per transformer block** — builds the 4-D mask from the 2-D one (and ``position_ids``) with
+  ``transformers``' own mask functions (so the configured attention implementation decides its form) and, for
+  rotary models, the ``(cos, sin)`` table from ``position_ids`` with its own copy of the model's rotary
+  embedding, then calls the model's real block (``GPT2Block``, ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
+  ``BertLayer``, ``RobertaLayer``) with its weights, ``use_cache=False``;
 - **head** — final norm and LM head (logits), or for encoders a pooling and a linear regression /
   classification head.
+
+The composition equals the model's own forward without a cache (``model(**batch, use_cache=False)``, what
+``transformers``' Trainer runs: with a cache, ``transformers`` does not separate packed documents).
 
 Supported: causal LMs ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2's sliding-window
 layers included), and encoders ``BertModel`` (e.g. ``sentence-transformers/all-MiniLM-L6-v2``) and
@@ -34,7 +41,9 @@ folder.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,7 +55,6 @@ from torch import nn
 
 try:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
-    from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.masking_utils import (
         create_bidirectional_mask,
         create_causal_mask,
@@ -62,6 +70,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "lightning_bfpp.integrations.huggingface needs `transformers` (>= 5.24): "
         'pip install "lightning-bfpp[huggingface]"'
     ) from error
+
+from lightning_bfpp import _compat, _lightning_compat
+from lightning_bfpp.loss import mean_over_items
 
 __all__ = [
     "CAUSAL_LM_CLASSES",
@@ -86,36 +97,75 @@ def _names(classes: tuple[type, ...]) -> str:
 
 
 class CausalEmbedding(nn.Module):
-    """First layer of a causal LM: token embeddings (plus GPT-2's learned positions and dropout).
+    """First layer of a causal LM: token embeddings (plus GPT-2's learned positions, token types and dropout).
 
     Returns ``(hidden_states, attention_mask, position_ids)``, everything the blocks need to rebuild their
-    masks and rotary tables on whichever rank they run.
+    masks and rotary tables on whichever rank they run; without a mask, the one-column stand-in of
+    :func:`_no_attention_mask`. ``embeds_token_types``: ``token_type_ids`` are embedded with the token
+    embedding and added, as ``GPT2Model`` does; models without it refuse them.
     """
 
     def __init__(
-        self, embed_tokens: nn.Embedding, embed_positions: nn.Embedding | None = None, dropout: nn.Module | None = None
+        self,
+        embed_tokens: nn.Embedding,
+        embed_positions: nn.Embedding | None = None,
+        dropout: nn.Module | None = None,
+        *,
+        embeds_token_types: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.embed_positions = embed_positions
         self.dropout = dropout
+        self.embeds_token_types = embeds_token_types
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        if token_type_ids is not None and not self.embeds_token_types:
+            raise ValueError("This model's forward takes no `token_type_ids` (only GPT-2's of the supported ones).")
         if position_ids is None:  # what the models' own forward uses without a cache
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         hidden = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             hidden = hidden + self.embed_positions(position_ids)
+        if token_type_ids is not None:
+            hidden = hidden + self.embed_tokens(token_type_ids)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
-        return hidden, attention_mask, position_ids
+        return hidden, _mask_to_send(attention_mask, input_ids), position_ids
+
+
+def _no_attention_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """What stands for "no attention mask" where only tensors may go (the pipeline's input, between stages): one
+    column of ones, read back as None by :func:`_mask_received`.
+
+    ``transformers`` treats a missing mask like an all-ones one, except that only without a mask does it read
+    packed documents from ``position_ids``, so "none" needs a tensor form of its own.
+    """
+    return input_ids.new_ones(input_ids.shape[0], 1)
+
+
+def _mask_to_send(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """The 2-D mask as it travels between stages: the given one, or :func:`_no_attention_mask`."""
+    if attention_mask is None:
+        return _no_attention_mask(input_ids)
+    if attention_mask.dim() != 2 or attention_mask.shape[1] not in (1, input_ids.shape[1]):
+        raise ValueError(
+            f"`attention_mask` must be 2-D with one column per token: got shape {tuple(attention_mask.shape)} for"
+            f" `input_ids` of shape {tuple(input_ids.shape)} (a cache or prefix is not supported)."
+        )
+    return attention_mask
+
+
+def _mask_received(attention_mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The mask :func:`_mask_to_send` sent, None for :func:`_no_attention_mask` (a one-token batch's stand-in is
+    its all-ones mask, which means the same for a single token)."""
+    return attention_mask if attention_mask.shape[1] == hidden.shape[1] else None
 
 
 def _causal_mask(
@@ -129,7 +179,11 @@ def _causal_mask(
     """The 4-D (or implementation-specific, or ``None``) mask the model's forward builds without a cache."""
     make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
     return make_mask(
-        config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=_mask_received(attention_mask, hidden),
+        cache=None,
+        position_ids=position_ids,
     )
 
 
@@ -195,7 +249,11 @@ class CausalLMHead(nn.Module):
 
 
 class EncoderEmbedding(nn.Module):
-    """First layer of a BERT-family encoder: the model's embeddings module (words, positions, token types)."""
+    """First layer of a BERT-family encoder: the model's embeddings module (words, positions, token types).
+
+    A missing mask becomes all ones (an encoder's bidirectional mask reads nothing else), missing token types and
+    positions the embeddings' own defaults (RoBERTa's positions count from its padding index, skipping padding).
+    """
 
     def __init__(self, embeddings: nn.Module) -> None:
         super().__init__()
@@ -206,10 +264,11 @@ class EncoderEmbedding(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
         return hidden, attention_mask
 
 
@@ -265,8 +324,9 @@ class PoolingHead(nn.Module):
 def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
     """The pipeline layers of a supported causal LM (see :data:`CAUSAL_LM_CLASSES`), sharing its modules.
 
-    Their composition is the model's ``forward(input_ids, attention_mask, position_ids).logits`` without a
-    cache. The model object itself is not needed afterwards (its modules now belong to the layers).
+    Their composition is the model's ``forward(input_ids, attention_mask, position_ids, token_type_ids).logits``
+    without a cache (GPT-2 only takes ``token_type_ids``). The model object itself is not needed afterwards (its
+    modules now belong to the layers).
     """
     config = model.config
     if isinstance(model, GPT2LMHeadModel):
@@ -274,7 +334,8 @@ def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
             raise ValueError("GPT-2 with cross-attention (`add_cross_attention=True`) is not supported.")
         t = model.transformer
         blocks: list[nn.Module] = [GPT2DecoderBlock(block, config) for block in t.h]
-        return [CausalEmbedding(t.wte, t.wpe, t.drop), *blocks, CausalLMHead(t.ln_f, model.lm_head)]
+        embed = CausalEmbedding(t.wte, t.wpe, t.drop, embeds_token_types=True)
+        return [embed, *blocks, CausalLMHead(t.ln_f, model.lm_head)]
     if isinstance(model, (LlamaForCausalLM, Qwen2ForCausalLM)):
         base = model.model
         rotary = base.rotary_emb
@@ -294,7 +355,8 @@ def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
 def encoder_layers(model: PreTrainedModel) -> list[nn.Module]:
     """The embedding and block layers of a supported encoder (see :data:`ENCODER_CLASSES`), sharing its modules.
 
-    Their composition gives ``(last_hidden_state, attention_mask)``; a head (e.g. :class:`PoolingHead`) follows.
+    Their composition gives ``(last_hidden_state, attention_mask)`` from ``(input_ids, attention_mask,
+    token_type_ids, position_ids)``; a head (e.g. :class:`PoolingHead`) follows.
     """
     if not isinstance(model, ENCODER_CLASSES):
         raise TypeError(
@@ -329,12 +391,7 @@ class _HFReset:
         self.chain = chain
 
     def __call__(self) -> None:
-        initializer = self.model_class.__new__(self.model_class)
-        nn.Module.__init__(initializer)
-        initializer.config = self.config
-        with torch.no_grad():
-            for module in self.chain:
-                initializer._init_weights(module)
+        _compat.init_weights_as_model(self.model_class, self.config, self.chain)
 
 
 def _install_resets(model: PreTrainedModel, layers: list[nn.Module], hf_modules: set[int]) -> None:
@@ -397,19 +454,50 @@ def _load(source: Any, auto_class: Any, attn_implementation: str | None) -> PreT
 def _batch_fields(batch: Any, names: tuple[str, ...]) -> dict[str, Any]:
     """A batch as a dict: a mapping as is, a tensor as ``input_ids``, a tuple/list positionally as ``names``."""
     if isinstance(batch, Mapping):
-        return dict(batch)
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch}
-    if isinstance(batch, (tuple, list)) and len(batch) <= len(names):
-        return dict(zip(names, batch, strict=False))
-    raise TypeError(
-        f"Expected a batch as a dict (`input_ids`, `attention_mask`, `labels`), a tuple in that order, or a tensor"
-        f" of input ids; got {type(batch).__name__}."
+        fields = dict(batch)
+    elif isinstance(batch, torch.Tensor):
+        fields = {"input_ids": batch}
+    elif isinstance(batch, (tuple, list)) and len(batch) <= len(names):
+        fields = dict(zip(names, batch, strict=False))
+    else:
+        raise TypeError(
+            f"Expected a batch as a dict (`input_ids`, `attention_mask`, `labels`), a tuple in that order, or a"
+            f" tensor of input ids; got {type(batch).__name__}."
+        )
+    if fields.get("input_ids") is None:
+        raise ValueError(f"The batch has no `input_ids` (its fields: {sorted(fields)}).")
+    return fields
+
+
+def _forward_inputs(model: PreTrainedModel) -> tuple[str, ...]:
+    """The named inputs of the model's ``forward``: what ``model(**batch)`` takes from a batch by name."""
+    parameters = inspect.signature(type(model).forward).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in parameters if p.name != "self" and p.kind in named)
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``transformers``' ``ForCausalLMLoss`` (labels shifted left, ``-100`` ignored, in fp32) as a sum over the
+    label tokens, normalised with :func:`~lightning_bfpp.mean_over_items`: on one device its token mean (0, not
+    NaN, without label tokens), under the strategy the mean over the global batch's label tokens."""
+    labels = F.pad(labels.to(logits.device), (0, 1), value=-100)[..., 1:]
+    loss_sum = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
+    return mean_over_items(loss_sum, (labels != -100).sum())
 
 
 class _HFPipelineModule(L.LightningModule):
-    """What both wrappers share: the layers, the optimizer, and the names ``transformers`` gives the weights."""
+    """What both wrappers share: the layers, the optimizer, the names ``transformers`` gives the weights, and
+    which batch fields reach ``self(...)``.
+
+    Every field the model's ``forward`` takes and the layers implement reaches them (:attr:`batch_inputs`, in
+    ``forward``'s order). A field the model's ``forward`` takes but a pipeline cannot (``inputs_embeds``, a cache,
+    cross-attention inputs) is refused. A tensor field that neither the model's ``forward`` nor the loss reads
+    (a misspelt name, a dataset's ``idx`` column, the flash-attention ``cu_seq_lens_*`` that
+    ``DataCollatorWithFlattening`` can add and that ``position_ids`` already determine) is ignored with a
+    ``UserWarning``, once per set of such fields; other values (e.g. lists of strings) are ignored.
+    """
 
     embed: nn.Module
     blocks: nn.ModuleList
@@ -417,8 +505,13 @@ class _HFPipelineModule(L.LightningModule):
     # BFPPStrategy balances stages by measured time unless told otherwise: a large vocabulary makes the
     # embedding heavy in parameters but cheap in compute, and the LM head the other way round
     pipeline_partition = "time"
+    # the fields of a batch given as a tuple or list, in order
+    positional_fields: tuple[str, ...] = ("input_ids", "attention_mask", "labels")
+    # the fields the loss reads
+    label_fields: tuple[str, ...] = ("labels",)
 
-    def _adopt(self, model: PreTrainedModel, layers: list[nn.Module], head: nn.Module) -> None:
+    def _adopt(self, model: PreTrainedModel, layers: list[nn.Module], head: nn.Module, inputs: tuple[str, ...]) -> None:
+        """Take the model's modules as layers; ``inputs``: what ``forward`` takes, in order (some models take fewer)."""
         hf_modules = {id(m) for m in model.modules()}
         # the rotary embeddings' copies are `transformers` modules too
         hf_modules.update(
@@ -435,6 +528,13 @@ class _HFPipelineModule(L.LightningModule):
         for name, tensor in self.state_dict(keep_vars=True).items():
             owner.setdefault(id(tensor), name)
         self.hf_names = {name: owner[id(tensor)] for name, tensor in model.state_dict(keep_vars=True).items()}
+        model_inputs = _forward_inputs(model)
+        self._hf_forward = f"{type(model).__name__}.forward"
+        self.batch_inputs = tuple(name for name in inputs if name in model_inputs)
+        self._unsupported_inputs = tuple(
+            name for name in model_inputs if name not in self.batch_inputs and name not in self.label_fields
+        )
+        self._warned_fields: set[tuple[str, ...]] = set()
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
@@ -466,14 +566,43 @@ class _HFPipelineModule(L.LightningModule):
         full = self.full_state_dict()
         return {hf: full[ours] for hf, ours in self.hf_names.items()}
 
-    @staticmethod
-    def _model_args(fields: dict[str, Any], extra: str | None = None) -> tuple[torch.Tensor, ...]:
-        """What ``self(...)`` takes from a batch: ``input_ids``, the attention mask (all ones when missing) and,
-        if the batch has it, the ``extra`` field (e.g. ``token_type_ids``)."""
+    def _read_batch(self, batch: Any) -> dict[str, Any]:
+        """The batch as a dict of fields, refused or warned about as the class docstring says."""
+        fields = _batch_fields(batch, self.positional_fields)
+        unsupported = [name for name in self._unsupported_inputs if fields.get(name) is not None]
+        if unsupported:
+            raise ValueError(
+                f"`{type(self).__name__}` cannot pass {unsupported} to its pipeline layers, which take"
+                f" {list(self.batch_inputs)} of `{self._hf_forward}`'s inputs. Remove them from the batch."
+            )
+        known = {*self.batch_inputs, *self.label_fields}
+        ignored = tuple(sorted(k for k, v in fields.items() if k not in known and isinstance(v, torch.Tensor)))
+        if ignored and ignored not in self._warned_fields:
+            self._warned_fields.add(ignored)
+            warnings.warn(
+                f"`{type(self).__name__}` ignores the batch fields {list(ignored)}: `{self._hf_forward}` does not take"
+                f" them and the loss does not read them (the model's inputs are {list(self.batch_inputs)}, the"
+                f" labels {list(self.label_fields)}). Rename a misspelt field, or remove the others from the batch.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return fields
+
+    def _model_args(self, fields: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """What ``self(...)`` takes from the batch's fields, in ``forward``'s order.
+
+        torch's pipeline takes tensors only (no None) as the first stage's input: a missing input before a given
+        one becomes the tensor that means the same to the model (:meth:`_stand_in`); missing trailing ones are
+        left out.
+        """
+        names = list(self.batch_inputs)
+        while names and fields.get(names[-1]) is None:
+            names.pop()
         input_ids = fields["input_ids"]
-        mask = fields.get("attention_mask")
-        args = (input_ids, torch.ones_like(input_ids) if mask is None else mask)
-        return args if extra is None or fields.get(extra) is None else (*args, fields[extra])
+        return tuple(self._stand_in(n, input_ids) if fields.get(n) is None else fields[n] for n in names)
+
+    def _stand_in(self, name: str, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _loss(self, batch: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -495,12 +624,16 @@ class HFCausalLM(_HFPipelineModule):
 
     ``model``: a ``GPT2LMHeadModel``/``LlamaForCausalLM``/``Qwen2ForCausalLM``, its config (object, or
     ``config.to_dict()``), or a name/folder for ``AutoModelForCausalLM.from_pretrained``. The steps take
-    batches as dicts (``input_ids``, optional ``attention_mask`` and ``labels``), tuples in that order, or a
-    tensor of ids, and compute ``transformers``' shifted cross entropy (``labels`` default to ``input_ids``
-    with padding ignored); they log ``train_loss`` / ``val_loss`` / ``test_loss``.
-
-    Under the strategy a step's loss is a mean over its micro-batch: with padding, equal to the one-device
-    token mean only when every micro-batch has the same number of label tokens (e.g. packed sequences).
+    batches as dicts (``input_ids``, optional ``attention_mask``, ``position_ids``, GPT-2's ``token_type_ids``,
+    and ``labels``), tuples ``(input_ids, attention_mask, labels)``, or a tensor of ids; the logits are the
+    model's ``model(**batch, use_cache=False)``. Packed documents (``position_ids`` restarting at 0 in each
+    row, no ``attention_mask``, as ``DataCollatorWithFlattening`` makes them) attend within their document only;
+    with an ``attention_mask``, even all ones, they see each other, as ``transformers`` has it.
+    The loss is ``transformers``' shifted cross entropy (``labels`` default to ``input_ids`` with padding,
+    and the token right after padding, ignored: that token would be predicted from a padding position), summed
+    over the label tokens and divided by their count with :func:`~lightning_bfpp.mean_over_items`:
+    under the strategy it is normalised over the global batch's label tokens, as on one device, however the
+    batch is cut into micro-batches and replicas. The steps log ``train_loss`` / ``val_loss`` / ``test_loss``.
     """
 
     def __init__(
@@ -513,14 +646,16 @@ class HFCausalLM(_HFPipelineModule):
         super().__init__()
         hf_model = _load(model, AutoModelForCausalLM, attn_implementation)
         layers = causal_lm_layers(hf_model)
-        self._adopt(hf_model, layers[:-1], layers[-1])
+        self._adopt(
+            hf_model, layers[:-1], layers[-1], ("input_ids", "attention_mask", "position_ids", "token_type_ids")
+        )
         # the config as a dict, so `load_from_checkpoint` and `export_pretrained` rebuild the same model
         self.save_hyperparameters(
             {
                 "model": hf_model.config.to_dict(),
                 "lr": lr,
                 "weight_decay": weight_decay,
-                "attn_implementation": hf_model.config._attn_implementation,
+                "attn_implementation": _compat.attn_implementation(hf_model.config),
             }
         )
 
@@ -529,24 +664,38 @@ class HFCausalLM(_HFPipelineModule):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed(input_ids, attention_mask, position_ids)
+        x = self.embed(input_ids, attention_mask, position_ids, token_type_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
 
+    def _stand_in(self, name: str, input_ids: torch.Tensor) -> torch.Tensor:
+        if name == "attention_mask":
+            return _no_attention_mask(input_ids)
+        if name == "position_ids":  # the model's own default
+            return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        raise ValueError(f"No stand-in for a missing `{name}`.")
+
     def _loss(self, batch: Any) -> torch.Tensor:
-        fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
-        input_ids, attention_mask = self._model_args(fields)
-        logits = self(input_ids, attention_mask)
+        fields = self._read_batch(batch)
+        logits = self(*self._model_args(fields))
         labels = fields.get("labels")
         if labels is None:
-            labels = input_ids.masked_fill(attention_mask == 0, -100)
-        return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+            input_ids, attention_mask = fields["input_ids"], fields.get("attention_mask")
+            labels = input_ids
+            if attention_mask is not None and attention_mask.shape == input_ids.shape:
+                labels = input_ids.masked_fill(attention_mask == 0, -100)
+                # a token right after padding (a left-padded sequence's first) would be predicted from a padding
+                # position, whose output depends on how much padding the batch has: a batch padded to another
+                # length (another replica, one device) would train on another value; it gets no label
+                labels[:, 1:] = labels[:, 1:].masked_fill(attention_mask[:, :-1] == 0, -100)
+        return _causal_lm_loss(logits, labels)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The logits of a batch (``input_ids`` with an optional ``attention_mask``)."""
-        return self(*self._model_args(_batch_fields(batch, ("input_ids", "attention_mask"))))
+        """The logits of a batch (its fields as the steps take them; labels are not needed)."""
+        return self(*self._model_args(self._read_batch(batch)))
 
 
 class HFSequenceRegressor(_HFPipelineModule):
@@ -556,10 +705,16 @@ class HFSequenceRegressor(_HFPipelineModule):
     (``sentence-transformers/all-MiniLM-L6-v2`` is a ``BertModel``). ``num_labels=None`` is regression (one
     output, MSE against float labels); ``num_labels=k`` is classification (cross entropy against class
     indices). ``pooling`` is ``"mean"`` (default), ``"cls"``, ``"pooler"`` or ``"none"`` (one prediction per
-    token; labels ``-100`` and padded tokens are ignored). Batches: dicts with ``input_ids``, optional
-    ``attention_mask`` / ``token_type_ids``, and ``labels`` (or ``label``), or tuples
+    token; padded tokens, and class labels ``-100``, are ignored). Batches: dicts with ``input_ids``, optional
+    ``attention_mask`` / ``token_type_ids`` / ``position_ids``, and ``labels`` (or ``label``), or tuples
     ``(input_ids, attention_mask, labels)``. Logs ``train_loss`` / ``val_loss`` / ``test_loss``.
+
+    The loss is a mean over samples, or with ``pooling="none"`` over the batch's labelled tokens: summed and
+    divided by their count with :func:`~lightning_bfpp.mean_over_items`, so that under the strategy it is
+    normalised over the global batch's tokens, as on one device.
     """
+
+    label_fields = ("labels", "label")
 
     def __init__(
         self,
@@ -576,7 +731,7 @@ class HFSequenceRegressor(_HFPipelineModule):
         hf_model = _load(model, AutoModel, attn_implementation)
         layers = encoder_layers(hf_model)
         head = PoolingHead(hf_model.config.hidden_size, num_labels or 1, pooling, getattr(hf_model, "pooler", None))
-        self._adopt(hf_model, layers, head)
+        self._adopt(hf_model, layers, head, ("input_ids", "attention_mask", "token_type_ids", "position_ids"))
         self.num_labels = num_labels
         self.save_hyperparameters(
             {
@@ -585,7 +740,7 @@ class HFSequenceRegressor(_HFPipelineModule):
                 "pooling": pooling,
                 "lr": lr,
                 "weight_decay": weight_decay,
-                "attn_implementation": hf_model.config._attn_implementation,
+                "attn_implementation": _compat.attn_implementation(hf_model.config),
             }
         )
 
@@ -594,34 +749,46 @@ class HFSequenceRegressor(_HFPipelineModule):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed(input_ids, attention_mask, token_type_ids)
+        x = self.embed(input_ids, attention_mask, token_type_ids, position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
 
+    def _stand_in(self, name: str, input_ids: torch.Tensor) -> torch.Tensor:
+        if name == "attention_mask":  # an encoder's mask has no other meaning
+            return torch.ones_like(input_ids)
+        if name == "token_type_ids":  # the embeddings' own default: all of the first type
+            return torch.zeros_like(input_ids)
+        raise ValueError(f"No stand-in for a missing `{name}`.")
+
     def _loss(self, batch: Any) -> torch.Tensor:
-        fields = _batch_fields(batch, ("input_ids", "attention_mask", "labels"))
-        args = self._model_args(fields, "token_type_ids")
-        attention_mask = args[1]
-        out = self(*args)
-        labels = fields["labels"] if "labels" in fields else fields["label"]
-        token_level = self.head.pooling == "none"
+        fields = self._read_batch(batch)
+        out = self(*self._model_args(fields))
+        labels = fields.get("labels", fields.get("label"))
+        if labels is None:
+            raise ValueError(f"`HFSequenceRegressor` needs `labels` (or `label`) in the batch; got {sorted(fields)}.")
+        if self.head.pooling != "none":
+            if self.num_labels is not None:
+                return F.cross_entropy(out.float(), labels.reshape(-1).long())
+            return F.mse_loss(out.squeeze(-1).float(), labels.float())
+        attention_mask = fields.get("attention_mask")
+        counted = torch.ones_like(out[..., 0], dtype=torch.bool) if attention_mask is None else attention_mask != 0
         if self.num_labels is not None:
-            if token_level:
-                labels = labels.masked_fill(attention_mask == 0, -100)
-            return F.cross_entropy(out.reshape(-1, self.num_labels).float(), labels.reshape(-1).long())
+            labels = labels.long().masked_fill(~counted, -100)
+            loss_sum = F.cross_entropy(
+                out.reshape(-1, self.num_labels).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            return mean_over_items(loss_sum, (labels != -100).sum())
         out = out.squeeze(-1).float()
-        labels = labels.to(out.dtype)
-        if not token_level:
-            return F.mse_loss(out, labels)
-        weights = attention_mask.to(out.dtype)
-        return ((out - labels) ** 2 * weights).sum() / weights.sum().clamp(min=1.0)
+        squared = (out - labels.to(out.dtype)) ** 2
+        return mean_over_items((squared * counted.to(out.dtype)).sum(), counted.sum())
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The head's output for a batch: one value per sample for regression (per token with ``pooling="none"``),
         class scores otherwise."""
-        out = self(*self._model_args(_batch_fields(batch, ("input_ids", "attention_mask")), "token_type_ids"))
+        out = self(*self._model_args(self._read_batch(batch)))
         return out.squeeze(-1) if self.num_labels is None else out
 
 
@@ -633,9 +800,7 @@ TASK_HEAD_FILE = "bfpp_task_head.pt"
 def _module_from_checkpoint(path: Path) -> tuple[_HFPipelineModule, dict[str, torch.Tensor]]:
     """The module (built on the meta device, for its names) and the full state dict of a checkpoint."""
     if path.is_dir():
-        from lightning.fabric.utilities.load import _load_distributed_checkpoint
-
-        checkpoint = _load_distributed_checkpoint(path)
+        checkpoint = _lightning_compat.load_distributed_checkpoint(path)
         state = checkpoint.get("model")
     else:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)

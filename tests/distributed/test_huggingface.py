@@ -4,7 +4,9 @@ GPT-2, Llama, Qwen2 (with sliding-window layers) causal LMs and a BERT regressor
 configs by ``tests.hf_models``, are trained with (p, dp, v, m) = (2, 2, 2, 4) on 4 CPU processes and with
 ``strategy="auto"`` on one process on the same global batches; every step's loss on every rank and every
 final parameter must agree within 1e-5 relative in fp32. Hidden states cross stages with the attention mask
-(padded batches) and position ids; rotary tables and masks are rebuilt on each stage. All runs share one
+(padded batches) and position ids; rotary tables and masks are rebuilt on each stage. A Qwen2 also trains on
+packed documents (``position_ids`` restarting in each row, no attention mask, as ``DataCollatorWithFlattening``
+makes them), whose blocks on every stage must keep the documents apart as one device does. All runs share one
 launch. Each run's checkpoint exports to a `from_pretrained` folder with the trained weights. A Qwen2 created
 on the meta device trains from its own init; GPT-2, Llama and Qwen2 with tied input and output embeddings (on
 the first and the last stage) train equal to one device too, their two copies of the tied weight identical;
@@ -51,6 +53,8 @@ def hf_run(name: str, family: str, **kwargs):
 
 # each run also saves a checkpoint at its end, which `export_pretrained` turns into a `from_pretrained` folder
 EQUIVALENCE = [hf_run(f"hf_{family}", family, checks=["save_at_end"]) for family in FAMILIES]
+# packed documents: no mask crosses the stages, and the sliding-window layers see the document boundaries too
+PACKED = hf_run("hf_qwen2_packed", "qwen2", data={"packed": True})
 # created under `trainer.init_module(empty_init=True)`: each rank materializes its own layers (rotary tables
 # included) with the model's init, so the weights are not the reference's; it must train like a fresh model
 META = hf_run("hf_qwen2_empty_init", "qwen2", checks=["empty_init"])
@@ -60,7 +64,7 @@ PRETRAINED = Path(tempfile.mkdtemp(prefix="bfpp-hf-pretrained-"))
 FROM_FOLDER = hf_run(
     "hf_llama_from_folder", "llama", model={"tie": True, "pretrained": str(PRETRAINED)}, checks=["save_at_end"]
 )
-RUNS = [*EQUIVALENCE, META, *TIED, FROM_FOLDER]
+RUNS = [*EQUIVALENCE, PACKED, META, *TIED, FROM_FOLDER]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def results(launched):
     return launched[1]
 
 
-@pytest.mark.parametrize("run", [*EQUIVALENCE, *TIED, FROM_FOLDER], ids=lambda r: r.name)
+@pytest.mark.parametrize("run", [*EQUIVALENCE, PACKED, *TIED, FROM_FOLDER], ids=lambda r: r.name)
 def test_matches_single_device(run, results):
     ref = hf_reference_run(run)
     assert len(ref.steps) == 6

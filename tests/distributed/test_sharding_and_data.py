@@ -7,11 +7,12 @@ reduction entry points and the pipeline stages' forward/backward calls are logge
 from __future__ import annotations
 
 import csv
+import dataclasses
 from collections import Counter
 
 import pytest
 
-from tests.distributed.harness import launch
+from tests.distributed.harness import assert_params_match, assert_steps_match, launch
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -35,7 +36,8 @@ RUNS = [
     run("full_m8", "full_shard", m=8),
     run("zero2", "shard_grad_op"),
     run("replicated", "no_shard"),
-    run("meta_init", "full_shard", checks=("empty_init",)),
+    # materialized on each rank by the layers' own `reset_parameters()`: the run saves what it started from
+    run("meta_init", "full_shard", checks=("empty_init", "save_initial_params")),
     # layers that sleep 20 ms per micro-batch and hold 2 MB of weights each: compute long enough to time gathers
     RunSpec(
         name="prefetch_timing",
@@ -175,10 +177,16 @@ def test_optimizer_state_follows_the_parameters(name, sharded, results):
                 assert momentum["local_numel"] == momentum["numel"], param
 
 
-def test_meta_device_model_trains(results):
-    _, res = results
-    losses = [[s["callback_metrics"]["train_loss"] for s in r["steps"]] for r in res["meta_init"].ranks]
-    assert len(losses[0]) == 3 and all(loss == losses[0] for loss in losses)
+def test_meta_device_model_trains_as_on_one_device(results):
+    """A model created on the meta device trains as one device trains it from the weights the ranks
+    materialized: every rank's logged losses and the final parameters."""
+    workdir, res = results
+    meta = next(r for r in RUNS if r.name == "meta_init")
+    initial = str(workdir / "out" / "meta_init" / "initial_pp*.pt")
+    ref = reference_run(dataclasses.replace(meta, initial_params=initial))
+    assert len(ref.steps) == 3
+    assert_steps_match(res["meta_init"], ref, tol=1e-5, keys=("train_loss", "samples", "max_err"))
+    assert_params_match(res["meta_init"], ref, tol=1e-5)
 
 
 def test_pipeline_ranks_share_a_batch_and_replicas_split_the_data(results):

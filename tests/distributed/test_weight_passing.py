@@ -1,7 +1,7 @@
 """Weight passing (``schedule="weight_passing"``, lightning_bfpp.weight_passing) equals one-device training.
 
 Nodes are emulated on this machine with ``processes_per_node``: 2 nodes × 2, 3 nodes × 2 and 2 nodes × 4
-processes. Per layout one launch runs:
+processes, and one process alone (which sends nothing). Per layout one launch runs:
 
 - a marker run (``tests.probe_models.MarkerNet``, one scalar layer per chunk): every owner writes its chunk
   id into its chunk, so the values the layers see on every rank give the order chunks reached it (forward
@@ -18,6 +18,7 @@ processes. Per layout one launch runs:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_bfpp.topology import NodeTopology
 from tests.distributed.harness import assert_params_match, assert_steps_match, launch, relative_error
@@ -26,7 +27,7 @@ from tests.models import RunSpec, make_model, reference_run
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 TOL = 1e-5
-LAYOUTS = [(2, 2), (3, 2), (2, 4)]  # nodes × processes per node
+LAYOUTS = [(2, 2), (3, 2), (2, 4), (1, 1)]  # nodes × processes per node
 CHECKPOINT = "ckpts/last.ckpt"
 BREADTH_FIRST = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 2}
 
@@ -58,6 +59,16 @@ def runs_for(nodes: int, per_node: int) -> list[RunSpec]:
         # a global batch that divides the data set, so that the one-device loader sees the same batches
         run(f"sgd_{layout}", model={"optimizer": "sgd"}, data={"num_samples": 48 if world == 6 else 64}),
     ]
+    if world == 1:
+        # one process owns the only chunk and sends nothing; batch norm over whole batches (one micro-batch)
+        batch_norm = run(
+            "batch_norm_1x1",
+            m=1,
+            model_factory="tests.replica_models:batch_norm_net",
+            local_batch_size=8,
+            checks=["rank_state"],
+        )
+        return [*runs, batch_norm]
     if (nodes, per_node) != (2, 2):
         return runs
     steps = {"max_steps": 3}
@@ -118,6 +129,21 @@ def test_weight_passing_matches_one_device(layout, results):
     result = results[run.name]
     assert_steps_match(result, ref, tol=TOL, keys=("train_loss",))
     assert_params_match(result, ref, tol=TOL)
+    initial = make_model(run).state_dict()
+    assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 1e-3
+
+
+def test_one_process_trains_weights_and_buffers_as_one_device(results):
+    """On one process no transfer is scheduled: each backward's gradients stay in ``.grad`` (they were taken for
+    a reduction that never came, and nothing trained), and the one chunk's running statistics are the device's."""
+    run = next(r for r in RUNS[(1, 1)] if r.name == "batch_norm_1x1")
+    ref = reference_run(run)
+    assert_steps_match(results[run.name], ref, tol=TOL, keys=("train_loss",))
+    state = torch.load(results["folder_1x1"] / "out" / run.name / "state_end_rank0.pt")
+    got = {**state["params"], **state["buffers"]}
+    assert set(got) == set(ref.params) and any(k.endswith("running_var") for k in got)
+    worst = max(relative_error(got[k], ref.params[k]) for k in ref.params)
+    assert worst <= TOL, f"largest relative error {worst:.2e}"
     initial = make_model(run).state_dict()
     assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 1e-3
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import tests.lean_imports  # noqa: F401
 
 # isort: split
+import dataclasses
 import json
 import os
 import sys
@@ -357,6 +358,90 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+class InitialParams(L.Callback):
+    """``save_initial_params``: the data-parallel rank 0 of each pipeline rank writes ``initial_pp<P>.pt``, the
+    full parameters training starts from (after setup: materialized, tied copies made equal)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # a collective per DTensor
+            for name, p in pl_module.named_parameters()
+            if "mae" not in name
+        }
+        strategy = trainer.strategy
+        if strategy.data_parallel_rank == 0:
+            torch.save(params, self.out / f"initial_pp{strategy.pipeline_rank}.pt")
+
+
+class AnnounceExceptions(L.Callback):
+    """``announce_exceptions``: each rank whose ``fit`` raises writes one line to stderr, before the strategy
+    reports the failure: ``RAISED on rank R at <time>: <type>: <message>``, then the exceptions it was raised
+    from (``<- <type>: <message>``), all on one line."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        chain: list[BaseException] = []
+        error: BaseException | None = exception
+        while error is not None and error not in chain:
+            chain.append(error)
+            error = error.__cause__ or error.__context__
+        message = " <- ".join(" / ".join(f"{type(e).__name__}: {e}".split("\n")) for e in chain)
+        sys.stderr.write(f"RAISED on rank {trainer.global_rank} at {time.time():.3f}: {message}\n")
+        sys.stderr.flush()
+
+
+_PLANNER_RANKING: list[dict[str, Any]] = []
+
+
+def _record_planner_ranking() -> list[dict[str, Any]]:
+    """``planner_ranking``: the feasible layouts ``pipeline_parallel_size="auto"`` ranked, best first, with the
+    stage partition each was simulated with (filled on global rank 0, where the planner runs)."""
+    from lightning_bfpp import auto
+    from lightning_bfpp.plan.simulate import balanced_counts
+
+    search = auto.search_per_replica_batch
+    if not getattr(search, "recording", False):
+
+        def recorded(profile: Any, *args: Any, **kwargs: Any) -> Any:
+            candidates = search(profile, *args, **kwargs)
+            weights = [layer.param_bytes for layer in profile.layers]
+            _PLANNER_RANKING[:] = [
+                {
+                    **dataclasses.asdict(c.config),
+                    "stage_layer_counts": list(
+                        c.config.stage_layer_counts or balanced_counts(weights, c.config.num_stages)
+                    ),
+                    "throughput": c.prediction.throughput,
+                }
+                for c in candidates
+                if c.infeasible is None and c.prediction is not None
+            ]
+            return candidates
+
+        recorded.recording = True  # type: ignore[attr-defined]
+        auto.search_per_replica_batch = recorded
+    _PLANNER_RANKING.clear()
+    return _PLANNER_RANKING
+
+
+def _layout_run(strategy: Any) -> dict[str, Any]:
+    """The layout the strategy ran, in the planner's terms."""
+    layout, config = strategy.layout, strategy.config
+    return {
+        "schedule": config.schedule,
+        "pipeline_parallel_size": layout.pipeline_parallel_size,
+        "data_parallel_size": layout.data_parallel_size,
+        "stages_per_rank": layout.stages_per_rank,
+        "num_microbatches": layout.num_microbatches,
+        "microbatch_group_size": layout.microbatch_group_size,
+        "sharding": config.sharding,
+        "mesh_order": config.mesh_order,
+        "stage_layer_counts": list(layout.stage_layer_counts),
+    }
+
+
 def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not run.expect_error:
@@ -378,7 +463,16 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     events.clear()
     recorder, probe = StepRecorder(), Probe(events, layer_probe="layer_probe" in run.checks)
     extra_callbacks, extra_kwargs = make_callbacks(run, out)
+    if "rank_state" in run.checks:  # every rank's parameters and buffers after setup and training
+        from tests.replica_models import RankState
+
+        extra_callbacks.append(RankState(out))
     callbacks: list[L.Callback] = [recorder, probe, *extra_callbacks]
+    if "save_initial_params" in run.checks:
+        callbacks.append(InitialParams(out))
+    if "announce_exceptions" in run.checks:
+        callbacks.append(AnnounceExceptions())
+    ranking = _record_planner_ranking() if "planner_ranking" in run.checks else None
     # {"name": "bfpp"} selects the registered strategy name with its defaults, as `Trainer(strategy="bfpp")`
     strategy: Any = "bfpp" if run.strategy.get("name") == "bfpp" else BFPPStrategy(**run.strategy)
     kwargs = {**trainer_defaults(run), **extra_kwargs}
@@ -401,6 +495,8 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         trainer.save_checkpoint(out / "end.ckpt")
     rank = trainer.global_rank
     extras = after_fit(trainer, model, run, run.local_batch_size)
+    if ranking is not None:
+        extras["planner_ranking"] = {"ranked": list(ranking), "ran": _layout_run(trainer.strategy)}
     if "predict" in extras:
         torch.save(extras.pop("predict"), out / f"predictions_rank{rank}.pt")
     result = {

@@ -1,9 +1,13 @@
-"""The private torch and Lightning API lightning_bfpp relies on still exists and behaves as used.
+"""The private torch, transformers and Lightning API lightning_bfpp relies on still exists and behaves as used.
 
-If one of these fails after an upgrade, lightning_bfpp/_compat.py (torch) or _lightning_compat.py (Lightning,
-torchmetrics) names the symbol; fix it there. torch's runtime is run for real, in a one-process gloo world,
-so that what the package writes into it is shown to be what torch reads.
+If one of these fails after an upgrade, lightning_bfpp/_compat.py (torch, transformers) or _lightning_compat.py
+(Lightning, torchmetrics) names the symbol; fix it there. torch's runtime is run for real, in a one-process gloo
+world, so that what the package writes into it is shown to be what torch reads. An AST check keeps every other
+module of the package off those private names.
 """
+
+import ast
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -351,3 +355,173 @@ def test_stream_mode_reductions_make_the_compute_stream_wait_only_after_the_last
     assert "compute waits" in blocking_log[: blocking_log.index("schedule done")]  # torch's: per stage
     for got, want in zip(grads, blocking_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_module_slots_are_the_modules_own_registries():
+    """tied.py re-ties parameters and buffers by assigning these slots: the module must compute with what is
+    assigned there."""
+    module = nn.BatchNorm1d(3)
+    linear = nn.Linear(2, 2, bias=False)
+    assert _compat.parameter_slots(linear) == {"weight": linear.weight, "bias": None}
+    replacement = nn.Parameter(torch.eye(2))
+    _compat.parameter_slots(linear)["weight"] = replacement
+    assert linear.weight is replacement and list(linear.parameters()) == [replacement]
+    assert torch.equal(linear(torch.ones(1, 2)), torch.ones(1, 2))
+    assert set(_compat.buffer_slots(module)) == {"running_mean", "running_var", "num_batches_tracked"}
+    mean = torch.full((3,), 5.0)
+    _compat.buffer_slots(module)["running_mean"] = mean
+    assert module.running_mean is mean and any(b is mean for b in module.buffers())
+
+
+def test_transformers_internals():
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, initializer_range=0.5)  # fmt: skip
+    for implementation in ("eager", "sdpa"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        assert _compat.attn_implementation(model.config) == implementation
+    # the model's own init, on modules taken out of it: a norm back to ones, a projection to its std
+    norm, projection = model.model.norm, model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        norm.weight.zero_()
+        projection.weight.zero_()
+    _compat.init_weights_as_model(type(model), model.config, [norm, projection])
+    assert torch.all(norm.weight == 1)
+    assert 0.4 < projection.weight.std().item() < 0.6  # initializer_range, not torch's default
+
+
+def test_distributed_checkpoint_is_read_whole(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.arange(4.0)}}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    torch.save({"hyper_parameters": {"lr": 0.1}}, tmp_path / "ckpt" / _compat._METADATA_FILENAME)
+    loaded = _lightning_compat.load_distributed_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(loaded["model"]["w"], torch.arange(4.0)) and loaded["hyper_parameters"] == {"lr": 0.1}
+    consolidated = _lightning_compat.consolidated_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(consolidated["state_dict"]["w"], torch.arange(4.0))
+
+
+# -- no private name of torch, Lightning or transformers outside the two compat modules ----------------------
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_bfpp"
+COMPAT_MODULES = {"_compat.py", "_lightning_compat.py"}
+# what a private name here could belong to; an attribute's object has no static type, so any underscore name
+# that this package does not define itself counts as theirs
+FOREIGN = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "transformers", "torchmetrics")
+# underscore names that are documented public API of Python itself: namedtuple's fields
+PYTHON_PUBLIC = {"_fields", "_asdict", "_replace", "_make", "_field_defaults"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names(modules: list[Path]) -> set[str]:
+    """Underscore names this package defines: functions, classes, module names and module-level names anywhere,
+    and ``self._x``/``cls._x`` attributes and methods outside the compat modules (which subclass torch's classes
+    and so define its private methods and attributes too)."""
+    own = {m.stem for m in modules if _is_private(m.stem)}
+    for module in modules:
+        tree = ast.parse(module.read_text())
+        compat = module.name in COMPAT_MODULES
+        nodes = tree.body if compat else ast.walk(tree)
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                own.update(t.id for t in targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                own.add(node.attr)
+    return {name for name in own if _is_private(name)}
+
+
+def _stdlib_module_names(tree: ast.Module) -> set[str]:
+    """Local names bound to standard-library modules (``os._exit`` is Python's public API)."""
+    import sys
+
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name for a in node.names if a.name.split(".")[0] in sys.stdlib_module_names)
+    return names
+
+
+def private_name_uses(module: Path, own: set[str]) -> list[str]:
+    tree = ast.parse(module.read_text())
+    stdlib = _stdlib_module_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{module.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FOREIGN:
+            parts = node.module.split(".")
+            found += [f"{where} from {node.module} import {a.name}" for a in node.names if _is_private(a.name)]
+            if any(_is_private(p) for p in parts):
+                found.append(f"{where} from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{where} import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] in FOREIGN and any(_is_private(p) for p in a.name.split("."))
+            ]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own | PYTHON_PUBLIC:
+            if not (isinstance(node.value, ast.Name) and node.value.id in stdlib):
+                found.append(f"{where} {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+            and node.args[1].value not in own | PYTHON_PUBLIC
+        ):
+            found.append(f"{where} {ast.unparse(node)}")
+    return found
+
+
+def test_private_names_of_torch_lightning_and_transformers_only_in_the_compat_modules():
+    """Every private name of torch, Lightning or transformers is reached through a named function of _compat or
+    _lightning_compat, so that an upgrade that renames one breaks those modules (and the tests above) only."""
+    modules = sorted(PACKAGE.rglob("*.py"))
+    own = _own_private_names(modules)
+    found = [
+        f"{m.parent.name}/{use}" for m in modules if m.name not in COMPAT_MODULES for use in private_name_uses(m, own)
+    ]
+    assert not found, "private names outside the compat modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_finds_each_kind_of_use(tmp_path):
+    source = tmp_path / "example.py"
+    source.write_text(
+        "import os\n"
+        "import torch._dynamo\n"
+        "from torch.distributed._composable import replicate\n"
+        "from lightning.fabric.utilities.load import _load_distributed_checkpoint\n"
+        "from lightning_bfpp._compat import parameter_slots\n"
+        "def f(module, config, row):\n"
+        "    os._exit(0)\n"
+        "    row._asdict()\n"
+        "    getattr(module, '_buffers')\n"
+        "    return module._parameters, config._attn_implementation, parameter_slots(module)\n"
+    )
+    found = [use.split(" ", 1)[1] for use in private_name_uses(source, _own_private_names([source]))]
+    assert found == [
+        "import torch._dynamo",
+        "from torch.distributed._composable import ...",
+        "from lightning.fabric.utilities.load import _load_distributed_checkpoint",
+        "getattr(module, '_buffers')",
+        "module._parameters",
+        "config._attn_implementation",
+    ]

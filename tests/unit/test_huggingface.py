@@ -21,7 +21,7 @@ from lightning_bfpp.integrations.huggingface import (
 )
 from lightning_bfpp.layers import keep_local_layers, materialize_remaining, pipeline_layers
 from lightning_bfpp.tied import find_ties
-from tests.hf_models import CAUSAL_FAMILIES, ENCODER_FAMILIES, VOCAB, tiny_config
+from tests.hf_models import CAUSAL_FAMILIES, ENCODER_FAMILIES, VOCAB, packed_labels, packed_positions, tiny_config
 
 TOL = 1e-5
 FAMILIES = CAUSAL_FAMILIES + ENCODER_FAMILIES
@@ -145,11 +145,29 @@ def test_causal_loss_is_the_models_own(family):
     module = HFCausalLM(model)
     ids, mask = inputs(padded=True)
     labels = ids.masked_fill(mask == 0, -100)
+    # the default labels also leave out a token right after padding (predicted from a padding position)
+    default = labels.clone()
+    default[:, 1:] = default[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
     with torch.no_grad():
-        want = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        got = module._loss({"input_ids": ids, "attention_mask": mask})
-        assert_close(got, want)
-        assert_close(module._loss((ids, mask, labels)), want)
+        want = model(input_ids=ids, attention_mask=mask, labels=default).loss
+        assert_close(module._loss({"input_ids": ids, "attention_mask": mask}), want)
+        assert_close(module._loss((ids, mask, labels)), model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+
+def test_default_labels_do_not_depend_on_how_far_a_batch_is_left_padded():
+    """A left-padded sequence's first token would be predicted from a padding position, whose output changes
+    with the padding length: one device (one long batch) and the replicas (each padded to its own longest)
+    would train on different losses."""
+    module = HFCausalLM(hf_model("llama"))
+    ids = torch.randint(3, VOCAB, (1, 6))
+    short = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    padded = {
+        "input_ids": torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], 1),
+        "attention_mask": torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(ids)], 1),
+        "position_ids": torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.arange(6)[None]], 1),
+    }
+    with torch.no_grad():
+        assert_close(module._loss(padded), module._loss(short))
 
 
 @pytest.mark.parametrize(
@@ -272,3 +290,199 @@ def test_predict_step_returns_the_heads_output_and_pretrained_models_train(tmp_p
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     with torch.no_grad():
         assert torch.equal(module.predict_step(batch, 0), module(ids, torch.ones_like(ids)).squeeze(-1))
+
+
+# -- every batch field the model's forward takes reaches it -------------------------------------------------
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    """Right-padded rows of 10, 7 and 4 tokens; labels ignore the padding."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, VOCAB, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 4:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Documents packed into rows of 12 as ``DataCollatorWithFlattening`` packs them: ``position_ids`` from 0 at
+    each document, labels ``-100`` at each document's first token, no attention mask."""
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    positions = torch.stack([packed_positions(lengths) for lengths in ([4, 5, 3], [6, 6], [2, 7, 1, 2])])
+    return {"input_ids": ids, "position_ids": positions, "labels": packed_labels(ids, positions)}
+
+
+CAUSAL_BATCHES = {
+    "padded": padded_batch,
+    "packed": packed_batch,
+    # transformers separates packed documents only without a mask: with an all-ones one they see each other
+    "packed_all_ones_mask": lambda: {**packed_batch(), "attention_mask": torch.ones(3, 12, dtype=torch.long)},
+    # GPT-2's forward alone takes token types (embedded with the token embedding)
+    "token_types": lambda: {**padded_batch(), "token_type_ids": torch.randint(0, 4, (3, 10))},
+}
+
+
+def hf_reference(model, batch: dict[str, torch.Tensor]):
+    """The model's own forward on the batch, without a cache as in training (``transformers``' Trainer sets
+    ``use_cache=False``; with a cache, ``transformers`` does not separate packed documents)."""
+    return model(**batch, use_cache=False)
+
+
+@pytest.mark.parametrize("kind", list(CAUSAL_BATCHES))
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_causal_logits_and_loss_are_the_models_own_for_every_batch_field(family, kind):
+    if kind == "token_types" and family != "gpt2":
+        pytest.skip("only GPT-2's forward takes token_type_ids")
+    model = hf_model(family, layers=3)
+    module = HFCausalLM(model).eval()
+    batch = CAUSAL_BATCHES[kind]()
+    with torch.no_grad():
+        want = hf_reference(model, batch)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        assert_close(module(**inputs), want.logits)
+        assert_close(module.predict_step(inputs, 0), want.logits)
+        assert_close(module._loss(batch), want.loss)
+        # the layers as the pipeline runs them, tuple by tuple, on tensors only (torch's pipeline takes no None)
+        args = module._model_args(batch)
+        assert all(isinstance(a, torch.Tensor) for a in args)
+        x = module.embed(*args)
+        for block in module.blocks:
+            assert all(isinstance(t, torch.Tensor) for t in x)
+            x = block(x)
+        assert_close(module.head(x), want.logits)
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_packed_documents_do_not_see_each_other(family):
+    """The later documents' logits do not change when the first document of their row changes."""
+    module = HFCausalLM(hf_model(family, layers=2)).eval()
+    batch = packed_batch()
+    other = batch["input_ids"].clone()
+    other[0, :4] = torch.randint(3, VOCAB, (4,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = module(batch["input_ids"], position_ids=batch["position_ids"])
+        changed = module(other, position_ids=batch["position_ids"])
+    assert torch.equal(logits[0, 4:], changed[0, 4:]) and not torch.equal(logits[0, :4], changed[0, :4])
+
+
+def encoder_hidden(module, args) -> torch.Tensor:
+    """An encoder module's last hidden state, its layers run as the pipeline runs them."""
+    x = module.embed(*args)
+    for block in module.blocks:
+        x = block(x)
+    return x[0]
+
+
+@pytest.mark.parametrize("family", ENCODER_FAMILIES)
+def test_encoder_takes_token_types_and_positions(family):
+    model = hf_model(family, layers=2)
+    module = HFSequenceRegressor(model, num_labels=3, pooling="none").eval()
+    batch = padded_batch()
+    del batch["labels"]
+    g = torch.Generator().manual_seed(4)
+    batch["token_type_ids"] = (torch.arange(10) >= 5).long().expand(3, 10)  # a second segment from token 5
+    batch["position_ids"] = torch.arange(10).expand(3, 10) + torch.tensor([[0], [3], [9]])
+    labels = torch.randint(0, 3, (3, 10), generator=g)
+    with torch.no_grad():
+        want = hf_reference(model, batch).last_hidden_state
+        got = module_output(module, family, *module._model_args(batch)[:2])
+        assert not torch.allclose(got, want)  # both fields change the output: the comparison below is not trivial
+        assert_close(encoder_hidden(module, module._model_args(batch)), want)
+        # positions without token types: the missing input before them is the embeddings' own default
+        positions_only = {k: v for k, v in batch.items() if k != "token_type_ids"}
+        args = module._model_args(positions_only)
+        assert len(args) == 4 and all(isinstance(a, torch.Tensor) for a in args)
+        assert_close(encoder_hidden(module, args), hf_reference(model, positions_only).last_hidden_state)
+        kept = batch["attention_mask"] != 0
+        logits = module.head.classifier(want)
+        want_loss = torch.nn.functional.cross_entropy(logits[kept], labels[kept])
+        assert_close(module._loss({**batch, "labels": labels}), want_loss)
+
+
+# -- losses: sums over items, normalised by the strategy over the global batch --------------------------------
+
+
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_causal_loss_is_a_sum_over_label_tokens_marked_for_the_global_mean(family):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lightning_bfpp.loss import item_sum
+
+    module = HFCausalLM(hf_model(family)).eval()
+    batch = padded_batch()
+    logits = module(batch["input_ids"], batch["attention_mask"])
+    loss = module._loss(batch)
+    want = ForCausalLMLoss(logits, batch["labels"], vocab_size=VOCAB)
+    assert_close(loss.detach(), want.detach())
+    parts = item_sum(loss)
+    assert parts is not None and int(parts.count) == 6 + 3 + 9  # label tokens after the shift
+    assert_close(parts.total.detach(), want.detach() * 18)
+    # no label token at all: 0 and no gradient, not NaN
+    empty = module._loss({**batch, "labels": torch.full_like(batch["labels"], -100)})
+    assert empty.item() == 0.0
+    empty.backward()
+    assert all(p.grad is None or torch.all(p.grad == 0) for p in module.parameters())
+
+
+@pytest.mark.parametrize("num_labels", [None, 4])
+def test_token_level_regressor_loss_is_a_sum_over_tokens_marked_for_the_global_mean(num_labels):
+    from lightning_bfpp.loss import item_sum
+
+    torch.manual_seed(0)
+    module = HFSequenceRegressor(tiny_config("bert"), num_labels=num_labels, pooling="none").eval()
+    batch = padded_batch()
+    g = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 4, (3, 10), generator=g) if num_labels else torch.randn(3, 10, generator=g)
+    kept = batch["attention_mask"] != 0
+    if num_labels:
+        labels[0, 0] = -100  # ignored too
+        kept = kept & (labels != -100)
+    loss = module._loss({**batch, "labels": labels})
+    with torch.no_grad():
+        out = module(batch["input_ids"], batch["attention_mask"])
+    if num_labels:
+        want = torch.nn.functional.cross_entropy(out[kept], labels[kept])
+    else:
+        want = ((out.squeeze(-1) - labels)[kept] ** 2).mean()
+    assert_close(loss.detach(), want)
+    parts = item_sum(loss)
+    assert parts is not None and int(parts.count) == int(kept.sum())
+    empty = torch.zeros_like(batch["attention_mask"])
+    assert module._loss({**batch, "attention_mask": empty, "labels": labels}).item() == 0.0
+
+
+# -- batch fields the layers do not take -------------------------------------------------------------------
+
+
+def test_fields_the_model_does_not_take_are_ignored_with_a_warning_once():
+    import warnings
+
+    module = HFCausalLM(hf_model("llama")).eval()
+    batch = padded_batch()
+    typo = {**batch, "attention_maks": batch.pop("attention_mask"), "text": ["a", "b", "c"]}
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"ignores the batch fields \['attention_maks'\]"):
+        module._loss(typo)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module._loss(typo)  # once per set of fields
+        module._loss(padded_batch())  # labels are read by the loss: no warning
+        sentences = {k: v for k, v in padded_batch().items() if k != "labels"}
+        HFSequenceRegressor(tiny_config("bert"))._loss({**sentences, "label": torch.randn(3)})
+    with pytest.warns(UserWarning, match=r"\['token_type_ids'\]: `LlamaForCausalLM.forward` does not take them"):
+        module._loss({**padded_batch(), "token_type_ids": torch.zeros(3, 10, dtype=torch.long)})
+    with pytest.raises(ValueError, match="takes no `token_type_ids`"):
+        module(batch["input_ids"], token_type_ids=torch.zeros(3, 10, dtype=torch.long))
+
+
+def test_fields_the_pipeline_cannot_pass_are_refused():
+    module = HFCausalLM(hf_model("qwen2")).eval()
+    batch = padded_batch()
+    with pytest.raises(ValueError, match=r"cannot pass \['inputs_embeds'\]"):
+        module._loss({**batch, "inputs_embeds": torch.zeros(3, 10, 32)})
+    with pytest.raises(ValueError, match="2-D with one column per token"):
+        module._loss({**batch, "attention_mask": torch.ones(3, 12, dtype=torch.long)})
+    with pytest.raises(ValueError, match="no `input_ids`"):
+        module._loss({"attention_mask": batch["attention_mask"]})
