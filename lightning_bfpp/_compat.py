@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
+from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
 )

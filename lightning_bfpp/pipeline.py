@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
-from lightning_bfpp._compat import tree_flatten
+from lightning_bfpp._compat import PipeliningMetadataError, tree_flatten
 from lightning_bfpp.agreement import (
     AgreedError,
     PipelineAgreedError,
@@ -168,6 +168,9 @@ class Pipeline:
         self._active: _ActiveStep | None = None
         self._schedule_in_use: PlannedSchedule | WeightPassingRunner | None = None
         self._warned_microbatches: set[tuple[int, int]] = set()
+        # the kinds of step (training or not, reducing or not) a schedule was built for: the first is built by
+        # every rank in the same step (see _agree_before_schedule)
+        self._built_kinds: set[tuple[bool, bool]] = set()
 
     # -- plans -------------------------------------------------------------------------------------
 
@@ -300,7 +303,11 @@ class Pipeline:
         cached = self._schedules.get(key)
         if cached is None or (failure.error is not None and self.holds_first_stage and cached.last_inputs is None):
             # a schedule not built yet (first step, new batch shape): every rank checks before building one
-            self._agree_before_schedule(step_name, signature, num_microbatches, failure)
+            kind = (train, reduce_grads or not train)
+            self._agree_before_schedule(
+                step_name, signature, num_microbatches, failure, everywhere=kind not in self._built_kinds
+            )
+            self._built_kinds.add(kind)
         schedule = self._schedule_for(key)
         if self.holds_first_stage:
             if failure.error is None:
@@ -330,6 +337,8 @@ class Pipeline:
         try:
             with tracer.recording(schedule) if tracer is not None else nullcontext():
                 schedule.run(arg_mbs, kwarg_mbs, targets)
+        except PipeliningMetadataError as error:
+            raise RuntimeError(shape_varies_message(error, step_name)) from error
         finally:
             self._active = None
             if self.reductions is not None and train:
@@ -431,13 +440,17 @@ class Pipeline:
         return count
 
     def _agree_before_schedule(
-        self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure
+        self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure, *, everywhere: bool
     ) -> None:
-        """One all-reduce over the pipeline's ranks before a schedule is built for a new kind of step or batch
-        shape: did the batch split or the input capture fail on one of them, and do they run the same shape?
-        Other replicas may run other shapes (the schedule's shape inference runs without data-parallel
-        collectives, see :class:`lightning_bfpp.runtime.PlannedSchedule`); an error here is raised on this
-        pipeline's ranks, and the failure watchdog stops the others.
+        """One exchange before a schedule is built for a new kind of step or batch shape: did the batch split or
+        the input capture fail, and do the ranks of each pipeline run the same shape?
+
+        The first schedule of a kind of step (the first training step, the first validation step) is built by
+        every rank in the same step, so ``everywhere`` they meet and an error is raised on every rank. A later new
+        shape may be one replica's alone (batches padded to their own longest sequence; the schedule's shape
+        inference runs without data-parallel collectives, see :class:`lightning_bfpp.runtime.PlannedSchedule`):
+        then only the pipeline's ranks meet, an error is raised on them as :class:`PipelineAgreedError`, and the
+        failure watchdog stops the other replicas' processes.
 
         Ranks building their stages for different shapes would issue different transfers and hang; a capture
         error on the first stage would leave every other rank waiting for its activations. Steps that reuse a
@@ -445,13 +458,17 @@ class Pipeline:
         not within ``agreement_timeout`` seconds (a rank whose batch shape differs from its pipeline's), this
         rank raises, and the failure watchdog stops the others.
         """
-        if len(self.pipeline_ranks) == 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = None if everywhere else self.pipeline_group
+        size = world if everywhere else len(self.pipeline_ranks)
+        if size == 1:
             if failure.error is not None:
                 raise failure.error
             return
         digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
-        flags = torch.tensor([failure.code, digest, -digest], dtype=torch.int64, device=self.device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pipeline_group, async_op=True)
+        flags = torch.tensor([failure.code, digest], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(flags) for _ in range(size)]
+        work = dist.all_gather(gathered, flags, group=group, async_op=True)
         shape = signature[1] if signature is not None else None
         try:
             if self.agreement_timeout is None:
@@ -465,13 +482,30 @@ class Pipeline:
                 " while they ran a step with a shape they had seen before. The ranks of a pipeline must load the"
                 " same batches: give them the same data order and the same collate function."
             ) from (failure.error or error)
-        code, high, low = (int(v) for v in flags.tolist())
+        rows = torch.stack(gathered).cpu()
+        error_type = AgreedError if size == world else PipelineAgreedError
+        code = int(rows[:, 0].max())
         if code:
-            raise_agreed(f"`{step_name}`", code, failure, self.pipeline_group, self.device)
-        if high != -low:
+            raise_agreed(f"`{step_name}`", code, failure, group, self.device)
+        # row i is global rank i (everywhere) or the pipeline's i-th rank
+        pipelines = self.pipelines if everywhere else [list(range(size))]
+        if any(len({int(rows[r, 1]) for r in ranks}) > 1 for ranks in pipelines):
             here = f"{self.rank_label} got {shape} in {num_microbatches}"
-            everywhere = len(self.pipeline_ranks) == dist.get_world_size()
-            raise (AgreedError if everywhere else PipelineAgreedError)(different_batch_shapes(step_name, here))
+            raise error_type(different_batch_shapes(step_name, here))
+
+
+def shape_varies_message(error: BaseException, step_name: str) -> str:
+    """torch's refusal of a stage input or output whose shape is not the one inferred for the batch, with why
+    and what to do (torch checks every micro-batch against the first: see ``PipelineRuntime.run_microbatches``).
+    """
+    return (
+        f"BFPPStrategy: {error}. A stage's input or output has another shape in one micro-batch than in the others"
+        f" of the same batch (in `{step_name}`). Batches may change shape from step to step, but the pipeline"
+        " sends the micro-batches of one batch in buffers of one shape, so every micro-batch must give the same"
+        " shapes: pad in the DataLoader's collate function (to the batch's longest sequence, not each"
+        " micro-batch's), and do not cut data-dependent lengths (e.g. trailing padding) inside a layer or in the"
+        " step before `self(...)`."
+    )
 
 
 def _placeholder_loss(output: Any) -> torch.Tensor:

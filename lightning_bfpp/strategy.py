@@ -58,6 +58,7 @@ from lightning_bfpp.layers import (
     recompute_policy,
 )
 from lightning_bfpp.logged_values import LoggedValueSync, SharedStep, combine_microbatches, replay
+from lightning_bfpp.microbatch import batch_size
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
 from lightning_bfpp.plan.cluster import Cluster
@@ -840,8 +841,6 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's predictions as one device returns them, on every rank of the pipeline that computed them."""
-        from lightning_bfpp.microbatch import batch_size
-
         assert self.pipeline is not None
         result = self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
         merged: list[Any] = [None]

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config, RobertaConfig
 
 from lightning_bfpp.integrations.huggingface import HFCausalLM, HFSequenceRegressor
-from tests.models import Reference, RunSpec, StepRecorder, trainer_defaults
+from tests.models import Reference, RunSpec, StepRecorder, load_initial_params, trainer_defaults
 
 VOCAB = 100
 SEQ_LEN = 12
@@ -189,6 +189,8 @@ def hf_loader(run: RunSpec, trainer: L.Trainer) -> DataLoader:
 def hf_reference_run(run: RunSpec) -> Reference:
     """``run`` trained on one process with ``strategy="auto"`` on the global batches (see ``reference_run``)."""
     model = hf_module(run)
+    if run.initial_params is not None:  # the weights a run created on the meta device started from
+        load_initial_params(model, run.initial_params)
     data = token_data(run)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)

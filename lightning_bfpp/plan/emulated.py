@@ -93,5 +93,7 @@ class EmulatedNet(L.LightningModule):
 def emulated_loader(spec: EmulatedModel, microbatches: int, steps: int, microbatch_size: int = 1) -> DataLoader:
     """``steps`` batches of ``microbatches`` micro-batches of ``microbatch_size`` samples."""
     batch = microbatches * microbatch_size
-    data = TensorDataset(torch.randn(steps * batch, spec.activation_numel // microbatch_size))
+    # the same batches in every process: the ranks of a pipeline check that they load the same batch
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(steps * batch, spec.activation_numel // microbatch_size, generator=generator))
     return DataLoader(data, batch_size=batch)

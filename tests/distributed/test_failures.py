@@ -208,9 +208,10 @@ def test_a_fault_inside_the_schedule_stops_every_process(fault, rank, tmp_path):
 
 # a layer's output the next stage cannot receive: refused on the rank that computed it, the others stopped
 STAGE_OUTPUT_FAULTS = {
-    "layer_dict": "pipeline layer `blocks.1`, the last of stage 0, returned a dict",
-    "layer_none": "pipeline layer `blocks.1`, the last of stage 0, returned None",
-    "layer_shape_varies": "Stage 0 forward outputs",
+    "layer_dict": ("pipeline layer `blocks.1`, the last of stage 0, returned a dict",),
+    "layer_none": ("pipeline layer `blocks.1`, the last of stage 0, returned None",),
+    # torch's finding, then why and what to do
+    "layer_shape_varies": ("Stage 0 forward outputs", "another shape in one micro-batch than in the others"),
 }
 
 
@@ -239,7 +240,7 @@ def test_a_stage_output_that_cannot_be_sent_is_refused_and_stops_every_process(f
     raised = {int(rank): (float(at), message) for rank, at, message in RAISED.findall(proc.stderr)}
     assert 0 in raised, proc.stderr[-3000:]
     raised_at, cause = raised[0]
-    assert STAGE_OUTPUT_FAULTS[fault] in cause, cause
+    assert all(expected in cause for expected in STAGE_OUTPUT_FAULTS[fault]), cause
     elapsed = end - raised_at
     assert elapsed < BOUND_S, f"{elapsed:.1f}s"
     for rank in set(raised) - {0}:

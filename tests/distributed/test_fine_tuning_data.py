@@ -17,9 +17,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from torch.utils.data import DistributedSampler
+
 from tests.distributed.harness import assert_steps_match, launch
 from tests.models import RunSpec
-from tests.sft_models import sft_reference_run
+from tests.sft_models import VariableLengthTokens, sft_reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -63,7 +65,7 @@ def results(tmp_path_factory):
 def test_matches_single_device(run, results):
     ref = sft_reference_run(run)
     result = results[run.name]
-    assert len(ref.steps) == run.trainer["max_steps"]
+    assert len(ref.steps) == run.trainer["max_steps"] * run.trainer.get("accumulate_grad_batches", 1)  # batches
     assert_steps_match(result, ref, tol=TOL)
     assert set(result.params) == set(ref.params)
     for name, want in ref.params.items():
@@ -79,3 +81,16 @@ def test_data_drawn_without_a_common_seed_is_refused(results):
     errors = [rank["error"] for rank in results[UNSEEDED.name].ranks]
     assert all(e is not None and "loaded different batches" in e for e in errors), errors
     assert all("seed_everything" in e for e in errors)
+
+
+def test_the_data_holds_micro_batches_without_label_tokens():
+    """What the runs above must cover: micro-batches with no label token at all (a replica's whole batch once),
+    beside micro-batches with many, as Lightning's sampler deals the data to the two replicas."""
+    data = VariableLengthTokens(seed=1)
+    counts = []
+    for replica in range(2):
+        order = list(DistributedSampler(data, num_replicas=2, rank=replica, shuffle=True, seed=0))
+        for step in range(5):
+            local = order[step * 4 : (step + 1) * 4]
+            counts += [sum(max(len(data[i]) - 1, 0) for i in local[mb * 2 : (mb + 1) * 2]) for mb in range(2)]
+    assert counts.count(0) >= 2 and max(counts) >= 20, counts

@@ -225,7 +225,7 @@ def test_a_steady_step_meets_the_other_ranks_in_one_small_collective(name, resul
         per_step = Counter((s, stage) for s, kind, stage, _ in rank_result["events"] if kind == "collective")
         calls = {what: n for (s, what), n in per_step.items() if s == 2}
         assert calls == {"all_to_all_single": 1}, calls
-        assert per_step[(1, "all_reduce")] >= 1, "the first step checks the ranks before building its schedule"
+        assert per_step[(1, "all_gather")] >= 1, "the first step checks the ranks before building its schedule"
 
 
 def test_cpu_processes_share_the_cores(results):

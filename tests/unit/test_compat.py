@@ -260,7 +260,9 @@ def test_lightning_hooks_and_strategy_state():
     assert strategy.device_mesh is mesh and module.device_mesh is mesh
 
 
-@pytest.mark.parametrize("name", ["tree_flatten", "tree_unflatten", "replicate", "unflatten_mesh"])
+@pytest.mark.parametrize(
+    "name", ["tree_flatten", "tree_unflatten", "replicate", "unflatten_mesh", "PipeliningMetadataError"]
+)
 def test_helpers_importable(name):
     assert callable(getattr(_compat, name))
 
