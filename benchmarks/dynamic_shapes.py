@@ -7,12 +7,14 @@ receive buffers are allocated. The schedule is cached (16 per pipeline), so a le
 extra. This runs, in one launch of 4 CPU processes at (p, dp, v, m) = (2, 2, 2, 4), full sharding:
 
 - *static*: every batch 32 tokens long;
-- *dynamic*: batches cycling through 16, 24, 32, 40 and 48 tokens, the two replicas at different lengths in the
-  same step (replica 1 one length ahead).
+- *dynamic*: batches of 16, 20, …, 48 tokens (9 lengths, fewer than the cache holds), which Lightning's
+  distributed sampler deals to the two replicas in shuffled order: lengths change from step to step and
+  differ between the replicas of a step.
 
-Each step's wall time is measured on global rank 0 (from the step's start to the optimizer step's end). Printed:
-the median step at a new length, at a seen length, and the static run's median at 32 tokens, side by side, and
-the per-step cost of the batch-content digest the pipeline's ranks compare (``microbatch.batch_digest``).
+Each step's wall time is measured on global rank 0 (from the step's start to the optimizer step's end).
+Printed: per length, the first step at it against the median of the later ones (the new length's extra time),
+their median over the lengths, the steps at a seen 32 tokens against the static run's, and the per-step cost of
+the batch-content digest the pipeline's ranks compare (``microbatch.batch_digest``).
 
     python -m benchmarks.dynamic_shapes
 """
@@ -32,8 +34,8 @@ from examples.train_gpt import GPT, VOCAB
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.microbatch import batch_digest
 
-LENGTHS = (16, 24, 32, 40, 48)
-STEPS = 30
+LENGTHS = (16, 20, 24, 28, 32, 36, 40, 44, 48)
+STEPS = 37
 LOCAL_BATCH = 16
 
 
@@ -114,9 +116,12 @@ def main() -> None:
     ms = 1000.0
     print("| tokens | first step at this length on rank 0 (ms) | median later step (ms) | extra at the first (ms) |")
     print("|---|---|---|---|")
+    first = {n: t for n, t in first.items() if n in later}  # a length seen once only has nothing to compare
     for length in sorted(first):
         median = statistics.median(later[length])
         print(f"| {length} | {first[length] * ms:.0f} | {median * ms:.0f} | {(first[length] - median) * ms:+.0f} |")
+    extra = statistics.median(first[n] - statistics.median(later[n]) for n in first)
+    print(f"\nmedian extra time of a step at a new length: {extra * ms:+.0f} ms")
     static_median = statistics.median(s for _, s in static[1:])
     seen_32 = statistics.median(later[32])
     print(
