@@ -151,6 +151,8 @@ class Pipeline:
         self.pipelines = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
         # None until the first training step shows whether the step normalises by item counts
         self.normalizes_items: bool | None = None
+        # whether this accumulation window's batches are normalised by their item counts one by one
+        self._per_batch_window: bool | None = None
         self.batch_gradients = BatchGradients([p for p in module.parameters() if p.requires_grad])
         # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.random_state)
         self.base_seed = base_seed
@@ -362,6 +364,30 @@ class Pipeline:
                     self.rank_label,
                 )
         return result
+
+    def reduces_each_batch(self, *, window_start: bool) -> bool:
+        """Whether this training batch reduces its gradients on its own, apart from what the accumulation window
+        holds: for a ``mean_over_items`` step (or one not seen yet), to divide them by the batch's item count
+        afterwards (:meth:`normalize_gradients`). Decided per window: a window's batches are either all
+        reduced on their own or all accumulated."""
+        if window_start or self._per_batch_window is None:
+            self._per_batch_window = self.normalizes_items is not False
+        return self._per_batch_window
+
+    def normalize_gradients(self, items: float | None, replicas: int, *, accumulating: bool) -> None:
+        """Divide a ``mean_over_items`` batch's gradients by its global item count (see lightning_bfpp.loss).
+
+        The step backpropagated each micro-batch's summed loss, and the data-parallel reduction divided the
+        gradients by the number of replicas: ``replicas / items`` makes them the global batch's item mean.
+        """
+        if items is not None and not self._per_batch_window and accumulating:
+            raise RuntimeError(
+                "BFPPStrategy: `training_step` returned `mean_over_items(...)` after earlier steps returned a plain"
+                " loss, inside a gradient-accumulation window. Return the same kind of loss for every batch."
+            )
+        if self.normalizes_items is None:
+            self.normalizes_items = items is not None
+        self.batch_gradients.finish(None if items is None else replicas / max(items, 1.0))
 
     def _prefetch_first_stage(self) -> None:
         """Start gathering the weights of this rank's first stage (the first one every schedule visits) now,

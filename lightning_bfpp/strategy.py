@@ -227,8 +227,6 @@ class BFPPStrategy(ModelParallelStrategy):
         self.tied = TiedParameters([], {})
         # the mesh the stages shard over: mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
         self._sharding_mesh: Any = None
-        # whether this accumulation window's batches are normalised by their item counts one by one
-        self._per_batch_window: bool | None = None
 
     # -- precision ---------------------------------------------------------------------------------
 
@@ -685,10 +683,7 @@ class BFPPStrategy(ModelParallelStrategy):
         tracer = self._trace.start_step() if self._trace is not None else None
         # a `mean_over_items` step (or one not seen yet) reduces each batch's gradients on their own, apart from
         # what the accumulation window already holds, to divide them by the batch's item count after the step
-        # decided per window: a window's batches are either all reduced on their own or all accumulated
-        if batch_idx % accumulate == 0 or self._per_batch_window is None:
-            self._per_batch_window = self.pipeline.normalizes_items is not False
-        per_batch = self._per_batch_window
+        per_batch = self.pipeline.reduces_each_batch(window_start=batch_idx % accumulate == 0)
         with self.precision_plugin.train_step_context():
             result = self.pipeline.run(
                 "training_step",
@@ -705,7 +700,7 @@ class BFPPStrategy(ModelParallelStrategy):
             )
         sync_start = tracer.now() if tracer is not None else 0.0
         shared = self._share_logs(result)
-        self._normalize_gradients(shared.loss_items, shared.replicas, per_batch, accumulate)
+        self.pipeline.normalize_gradients(shared.loss_items, shared.replicas, accumulating=accumulate > 1)
         if tracer is not None and self._trace is not None:
             # sharing the logged values waits for the pipeline's slowest rank: part of the drain
             tracer.add("step_sync", sync_start, tracer.now())
@@ -714,23 +709,6 @@ class BFPPStrategy(ModelParallelStrategy):
         if tracer is not None and self._trace is not None:
             self._trace.end_pipeline(trainer.global_step, self._trace_title())
         return shared.loss
-
-    def _normalize_gradients(self, items: float | None, replicas: int, per_batch: bool, accumulate: int) -> None:
-        """Divide a ``mean_over_items`` batch's gradients by its global item count (see lightning_bfpp.loss).
-
-        The step backpropagated each micro-batch's summed loss, and the data-parallel reduction divided the
-        gradients by the number of replicas: ``replicas / items`` makes them the global batch's item mean.
-        """
-        assert self.pipeline is not None
-        if items is not None and not per_batch and accumulate > 1:
-            raise RuntimeError(
-                "BFPPStrategy: `training_step` returned `mean_over_items(...)` after earlier steps returned a plain"
-                " loss, inside a gradient-accumulation window. Return the same kind of loss for every batch."
-            )
-        if self.pipeline.normalizes_items is None:
-            self.pipeline.normalizes_items = items is not None
-        factor = None if items is None else replicas / max(items, 1.0)
-        self.pipeline.batch_gradients.finish(factor)
 
     def _trace_title(self) -> str:
         assert self.layout is not None
