@@ -3,18 +3,23 @@
 The text is ``pydoc_data.topics`` (the ~465 KB of reference documentation that ``help()`` shows, shipped with
 Python). Whole topics are held out (a seeded tenth of the keys), so the held-out perplexity measures text the
 model has not seen. By default the model is a small Llama built from scratch over a byte-level tokenizer
-written here (256 bytes + padding), so nothing is downloaded; ``--model.pretrained FOLDER`` fine-tunes a
-local ``from_pretrained`` folder (GPT-2, Llama or Qwen2) with its own tokenizer instead.
+written here (256 bytes + padding), so nothing is downloaded; ``--model.family`` picks any tested family
+(``lightning_bfpp.integrations.huggingface.CAUSAL_LM_FAMILIES``: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi-3,
+OLMo 2, Granite, GPT-NeoX, Cohere, Mixtral, Qwen3-MoE, GPT-2), ``--model.pretrained FOLDER`` fine-tunes a local
+``from_pretrained`` folder with its own tokenizer instead, and ``--model.lora true`` trains LoRA adapters (rank
+``--model.lora_rank``, on every linear layer but the LM head) with the model frozen.
 
     python examples/finetune_causal_lm.py fit                    # 4 CPU processes: pipeline 2 × data parallel 2
     python examples/finetune_causal_lm.py fit --trainer.devices 4 --trainer.strategy bfpp   # pipeline of 4
     python examples/finetune_causal_lm.py fit --trainer.strategy auto --trainer.devices 1
     python examples/finetune_causal_lm.py fit --model.family gpt2 --model.layers 6 --trainer.max_steps 50
+    python examples/finetune_causal_lm.py fit --model.pretrained runs/finetune_causal_lm/pretrained --model.lora true
 
 The held-out perplexity is measured before and after training (``trainer.validate``); at the end every
 process writes its part of a checkpoint, global rank 0 turns it into a ``from_pretrained`` folder with
 ``export_pretrained`` (``<default_root_dir>/pretrained``), loads that on its own and prints a sampled
-continuation of a prompt: the same path whether the run was pipelined or ``strategy="auto"``.
+continuation of a prompt: the same path whether the run was pipelined or ``strategy="auto"``. With LoRA, the
+adapter folder is written too (``<default_root_dir>/adapter``) and the exported model has the adapters merged.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
 import lightning_bfpp  # noqa: F401  (registers strategy="bfpp")
-from lightning_bfpp.integrations.huggingface import HFCausalLM, export_pretrained
+from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES, HFCausalLM, export_pretrained
 
 
 class ByteTokenizer:
@@ -49,8 +54,11 @@ class ByteTokenizer:
 
 
 def load_tokenizer(pretrained: str | None) -> Any:
-    """The pretrained folder's own tokenizer, or the byte-level one for a model trained from scratch."""
-    return ByteTokenizer() if pretrained is None else AutoTokenizer.from_pretrained(pretrained)
+    """The pretrained folder's own tokenizer, or the byte-level one for a model trained from scratch (and for a
+    folder this example exported from such a model, which holds no tokenizer files)."""
+    if pretrained is None or not (Path(pretrained) / "tokenizer_config.json").is_file():
+        return ByteTokenizer()
+    return AutoTokenizer.from_pretrained(pretrained)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -60,9 +68,22 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# what a family's config needs beyond the shared sizes to be small and well-formed (heads of hidden/heads, a
+# sliding window shorter than the sequence where the family has one, a few experts for mixtures of experts)
+FAMILY_EXTRAS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 64},
+    "qwen2": {"use_sliding_window": False},
+    "gemma2": {"sliding_window": 64},
+    "gemma3_text": {"sliding_window": 64},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
 def small_config(family: str, layers: int, hidden_size: int, heads: int, vocab_size: int, max_len: int) -> Any:
-    """A from-scratch config of ``family``, with untied input and output embeddings as larger LMs have them
-    (tied ones train too: the strategy keeps the copies on the first and last stages equal)."""
+    """A from-scratch config of ``family`` (any of ``CAUSAL_LM_FAMILIES``), with untied input and output
+    embeddings as larger LMs have them (tied ones train too: the strategy keeps the copies on the first and last
+    stages equal)."""
     if family == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size,
@@ -74,23 +95,27 @@ def small_config(family: str, layers: int, hidden_size: int, heads: int, vocab_s
             eos_token_id=None,
             tie_word_embeddings=False,
         )
+    if family not in CAUSAL_LM_FAMILIES:
+        raise ValueError(f"`family` must be one of {', '.join(CAUSAL_LM_FAMILIES)}; got {family!r}.")
     decoder = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": 3 * hidden_size,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": hidden_size // heads,
         "max_position_embeddings": max_len,
         "tie_word_embeddings": False,
         "pad_token_id": ByteTokenizer.pad_token_id,
         "bos_token_id": None,
         "eos_token_id": None,
     }
-    if family == "llama":
-        return LlamaConfig(**decoder)
-    if family == "qwen2":
-        return Qwen2Config(**decoder)
-    raise ValueError(f"`family` must be one of gpt2, llama, qwen2; got {family!r}.")
+    if family in ("qwen3_moe", "mixtral"):
+        decoder["moe_intermediate_size"] = hidden_size
+    if family in ("gemma2", "gemma3_text"):
+        decoder["query_pre_attn_scalar"] = hidden_size // heads
+    return AutoConfig.for_model(family, **decoder, **FAMILY_EXTRAS.get(family, {}))
 
 
 class PydocLM(HFCausalLM):
@@ -111,19 +136,24 @@ class PydocLM(HFCausalLM):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         warmup_steps: int = 20,
+        lora: bool = False,
+        lora_rank: int = 8,
     ) -> None:
         if pretrained is None:
             model: Any = small_config(family, layers, hidden_size, heads, ByteTokenizer.vocab_size, max_len)
         else:
             model = pretrained  # a tied LM head stays tied: BFPPStrategy keeps its copies on both stages equal
-        super().__init__(model, lr=lr, weight_decay=weight_decay)
+        # LoRA: adapters of rank `lora_rank` on every linear layer but the LM head, the model itself frozen
+        adapters = {"r": lora_rank, "lora_alpha": 2 * lora_rank, "target_modules": "all-linear"} if lora else None
+        super().__init__(model, lr=lr, weight_decay=weight_decay, lora=adapters)
         self.warmup_steps = warmup_steps
         # `from_pretrained` leaves the model in eval mode, and Lightning keeps each submodule's mode: train
         # mode here so that dropout (where the config has it) is on while training
         self.train()
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        trained = [p for p in self.parameters() if p.requires_grad]  # with LoRA, the adapters
+        opt = torch.optim.AdamW(trained, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         total = max(1, self.trainer.estimated_stepping_batches)
         warmup = min(self.warmup_steps, total // 2)
 
@@ -230,8 +260,13 @@ class PydocCLI(LightningCLI):
         self.trainer.save_checkpoint(checkpoint)
         if not self.trainer.is_global_zero:
             return
-        # ... and global rank 0 alone reads it whole into a `from_pretrained` folder and samples from that
-        out = export_pretrained(checkpoint, root / "pretrained")
+        # ... and global rank 0 alone reads it whole into a `from_pretrained` folder and samples from that; with
+        # LoRA, also the adapter folder that `PeftModel.from_pretrained(base, folder)` loads
+        lora = self.model.lora_config is not None
+        if lora:
+            adapter = export_pretrained(checkpoint, root / "adapter")
+            print(f"\nadapter written to {adapter} ({', '.join(sorted(p.name for p in adapter.iterdir()))})")
+        out = export_pretrained(checkpoint, root / "pretrained", merge=lora)
         tokenizer = self.datamodule.tokenizer
         if not isinstance(tokenizer, ByteTokenizer):
             tokenizer.save_pretrained(out)
@@ -241,9 +276,15 @@ class PydocCLI(LightningCLI):
         data = self.datamodule
         unit = "byte" if isinstance(tokenizer, ByteTokenizer) else "token"
         print(f"\nheld-out topics ({len(data.val_topics)}): {', '.join(data.val_topics)}")
+        trained = (
+            sum(p.numel() for p in self.model.parameters() if p.requires_grad) if self.trainer.world_size == 1 else None
+        )
         print(
-            f"strategy={type(self.trainer.strategy).__name__}, {self.trainer.world_size} process(es),"
-            f" {self.trainer.global_step} steps, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters"
+            f"{model.config.model_type}: strategy={type(self.trainer.strategy).__name__},"
+            f" {self.trainer.world_size} process(es), {self.trainer.global_step} steps,"
+            f" {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters"
+            + (f", LoRA rank {self.model.lora_config.r}" if lora else "")
+            + (f" ({trained / 1e6:.3f} M trained)" if lora and trained is not None else "")
         )
         for label, loss in (("before", self.loss_before), ("after", loss_after)):
             print(f"held-out perplexity per {unit} {label:6}: {math.exp(loss):8.2f} (loss {loss:.3f})")

@@ -90,7 +90,10 @@ def optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter name, so pipeline ranks never collide (tied copies'
-    other names left out, as in :func:`model_state`)."""
+    other names left out, as in :func:`model_state`). Empty for an optimizer without parameter groups (a rank
+    whose stages hold nothing that trains, :class:`~lightning_bfpp.frozen.NothingToTrain`)."""
+    if not optimizer.param_groups:
+        return {}
     state = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
     if not aliases:
         return state
@@ -510,6 +513,9 @@ def _load_sharded(
                 f"Trying to restore optimizer state but {path} holds none (saved with `save_weights_only=True`?);"
                 " load it with `Trainer.validate/test`, or fit without `ckpt_path` after loading the weights."
             )
+        if not optimizer.param_groups:  # nothing that trains on this rank: no state to read
+            optimizer_keys.append(None)
+            continue
         osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
         state[optimizer_key(i)], keys = to_canonical(osd, aliases, optimizer=True)
         optimizer_keys.append(keys)
@@ -517,6 +523,8 @@ def _load_sharded(
     model = from_canonical(state[MODEL_KEY], model_keys)
     set_model_state_dict(module, model, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
+        if optimizer_keys[i] is None:
+            continue
         osd = from_canonical(state[optimizer_key(i)], optimizer_keys[i])
         set_optimizer_state_dict(module, optimizer, osd, options=_OPTIMIZER_OPTIONS)
     return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
@@ -632,6 +640,8 @@ def load_full_optimizer(
     parameter's copies all take the state stored for it, under its canonical name.
     """
     aliases = aliases or {}
+    if not optimizer.param_groups:  # nothing that trains on this rank
+        return
     groups = saved["param_groups"]
     if len(groups) != 1 or len(optimizer.param_groups) != 1:
         raise RuntimeError(

@@ -43,6 +43,7 @@ from lightning_bfpp.agreement import AgreedError, PipelineAgreedError, agree, ag
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.cpu_threads import available_cores, share_cores
 from lightning_bfpp.failures import FailureWatchdog
+from lightning_bfpp.frozen import NothingToTrain, holds_trained_parameters, is_empty_parameter_list
 from lightning_bfpp.initial_state import Broadcast, PendingBuild, buffers_outside, local_state
 from lightning_bfpp.layers import (
     Recompute,
@@ -423,7 +424,7 @@ class BFPPStrategy(ModelParallelStrategy):
         plugin = self.precision_plugin
         lc.replace_clip_grad_by_norm(plugin, partial(self._clip_grad_by_norm, plugin))
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self._setup_optimizers(trainer, module)
             self.tied.check_optimizers([lc.unwrap_optimizer(o) for o in self.optimizers])
             if self.trace_dir is not None:
                 self._trace = TraceSession(
@@ -439,6 +440,17 @@ class BFPPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             lc.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_optimizers(self, trainer: pl.Trainer, module: nn.Module) -> None:
+        """The user's optimizers; on a rank whose stages hold no trained parameter (LoRA or frozen layers
+        elsewhere), where ``configure_optimizers`` over the trained parameters gets an empty list, none
+        (:class:`~lightning_bfpp.frozen.NothingToTrain`)."""
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as error:
+            if holds_trained_parameters(module) or not is_empty_parameter_list(error):
+                raise
+            self.optimizers, self.lr_scheduler_configs = [NothingToTrain()], []
 
     def _base_seed(self) -> int:
         """The seed every rank derives its steps' random draws from: global rank 0's torch seed (set by

@@ -3,7 +3,8 @@
 - :func:`tiny_config`: a few-layer random config of each supported family, built from the family's own config
   class, dropout off (so one device and the pipeline draw nothing).
 - :func:`hf_module` (``RunSpec.model_factory``): ``HFCausalLM`` or ``HFSequenceRegressor`` from
-  ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ..., "pretrained": folder}``.
+  ``run.model = {"family": ..., "seed": ..., "tie": ..., "num_labels": ..., "pooling": ..., "pretrained": folder,
+  "lora": LoraConfig fields, "freeze": parameter names or prefixes}``.
 - :func:`hf_loader` (``RunSpec.loader_factory``) and :func:`hf_reference_run`: the same token data for the
   pipelined run and its one-device reference (``tests.models.reference_run`` builds the regression data of
   ``PipeNet``; this one builds token batches, with the same sampler). ``run.data`` goes to :class:`TokenData`:
@@ -19,14 +20,42 @@ from typing import Any
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from transformers import BertConfig, GPT2Config, LlamaConfig, Qwen2Config, RobertaConfig
+from transformers import AutoConfig, BertConfig, GPT2Config, RobertaConfig
 
-from lightning_bfpp.integrations.huggingface import HFCausalLM, HFSequenceRegressor
+from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES, HFCausalLM, HFSequenceRegressor
 from tests.models import Reference, RunSpec, StepRecorder, load_initial_params, trainer_defaults
 
 VOCAB = 100
 SEQ_LEN = 12
-CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2")
+# every causal LM family the adapter is tested with
+CAUSAL_FAMILIES = CAUSAL_LM_FAMILIES
+# what each family's tiny config sets beyond the shared decoder settings: the options that give it its quirks, so
+# that a test of the family exercises them (windows shorter than the sequence, multipliers other than 1, …)
+FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
+    # the layers above the first use a 4-token sliding window: both of Qwen2's mask kinds
+    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    "mistral": {"sliding_window": 4},  # one window for every layer
+    "qwen3": {"head_dim": 8},  # q/k norms over the head dimension
+    "gemma": {"head_dim": 8},  # embeddings scaled by sqrt(hidden size)
+    # alternating sliding and full layers, attention and final logit soft-capping
+    "gemma2": {"head_dim": 8, "sliding_window": 4, "query_pre_attn_scalar": 8},
+    # 2 local (sliding, own rotary base) layers per global one, q/k norms
+    "gemma3_text": {"head_dim": 8, "sliding_window": 4, "query_pre_attn_scalar": 8, "sliding_window_pattern": 2},
+    "phi3": {},  # fused qkv and gate-up projections
+    "olmo2": {},  # post-norms, q/k norms
+    # every multiplier away from 1
+    "granite": {
+        "embedding_multiplier": 2.0,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+    },
+    # parallel residual, a quarter of each head rotated (partial rotary)
+    "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "cohere": {"logit_scale": 0.5},  # parallel attention and MLP, logits scaled
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8},
+}
 ENCODER_FAMILIES = ("bert", "roberta")
 
 
@@ -59,11 +88,11 @@ def tiny_config(family: str, *, layers: int = 2, tie: bool = False) -> Any:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    if family == "llama":
-        return LlamaConfig(**decoder)
-    if family == "qwen2":
-        # the layers above the first use a 4-token sliding window: both of Qwen2's mask kinds
-        return Qwen2Config(**decoder, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    if family in CAUSAL_FAMILIES:
+        config = AutoConfig.for_model(family, **decoder, **FAMILY_SETTINGS.get(family, {}))
+        if family == "gemma3_text":  # (the config derives the layer kinds from the pattern on creation)
+            assert config.layer_types[:2] == ["sliding_attention", "full_attention"]
+        return config
     encoder = {
         "vocab_size": VOCAB,
         "hidden_size": 32,
@@ -86,14 +115,16 @@ class SGDCausalLM(HFCausalLM):
     and turns rounding noise in near-zero gradients into full-size updates."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(trained, lr=self.hparams.lr, momentum=0.9)
 
 
 class SGDSequenceRegressor(HFSequenceRegressor):
     """See :class:`SGDCausalLM`."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(trained, lr=self.hparams.lr, momentum=0.9)
 
 
 def hf_module(run: RunSpec) -> L.LightningModule:
@@ -106,7 +137,13 @@ def hf_module(run: RunSpec) -> L.LightningModule:
     if "pretrained" in spec:  # a `save_pretrained` folder, loaded with `from_pretrained`
         config = spec["pretrained"]
     if family in CAUSAL_FAMILIES:
-        return (SGDCausalLM if sgd else HFCausalLM)(config, lr=spec.get("lr", 0.05 if sgd else 1e-3))
+        cls = SGDCausalLM if sgd else HFCausalLM
+        module = cls(config, lr=spec.get("lr", 0.05 if sgd else 1e-3), lora=spec.get("lora"))
+        # frozen by hand: whole layers or single weights, by this module's parameter names
+        for name, param in module.named_parameters():
+            if any(name == f or name.startswith(f + ".") for f in spec.get("freeze", ())):
+                param.requires_grad_(False)
+        return module
     lr = spec.get("lr", 0.001)  # MSE on a random target: a larger step diverges
     regressor = SGDSequenceRegressor if sgd else HFSequenceRegressor
     return regressor(config, num_labels=spec.get("num_labels"), pooling=spec.get("pooling", "mean"), lr=lr)
@@ -199,3 +236,20 @@ def hf_reference_run(run: RunSpec) -> Reference:
     trainer.fit(model, loader)
     params = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     return Reference(recorder.steps, params, recorder.validations, {"out": Path(tempfile.gettempdir())})
+
+
+def assert_trained_as_reference(result: Any, ref: Reference, run: RunSpec, *, tol: float, atol: float) -> None:
+    """A pipelined run's losses (every rank, every step) and final weights equal the one-device run's (relative
+    ``tol``, plus ``atol`` for weights whose gradients are rounding noise), and the weights moved by at least
+    30 times the tolerance at the median, so that agreeing is not trivial."""
+    from tests.distributed.harness import assert_steps_match
+
+    assert len(ref.steps) == 6
+    assert_steps_match(result, ref, tol=tol)
+    assert set(result.params) == set(ref.params)
+    for name, want in ref.params.items():
+        error = (result.params[name].double() - want.double()).norm().item()
+        assert error <= tol * want.double().norm().item() + atol, f"{name}: {error:.2e}"
+    initial = dict(hf_module(run).named_parameters(remove_duplicate=False))
+    moved = [(ref.params[k] - initial[k].detach()).norm() / initial[k].detach().norm() for k in ref.params]
+    assert sorted(moved)[len(moved) // 2] > 30 * tol

@@ -5,8 +5,8 @@ between each other. A ``transformers`` model is one ``forward`` that builds atte
 once and hands them, with a cache, to every block; this module cuts it into layers that each rebuild what
 they need from a few small tensors:
 
-- **embeddings** — ``(input_ids, attention_mask=None, position_ids=None, token_type_ids=None)`` (GPT-2 takes
-  token types, Llama and Qwen2 do not; encoders: ``(input_ids, attention_mask, token_type_ids, position_ids)``)
+- **embeddings** — ``(input_ids, attention_mask=None, position_ids=None, token_type_ids=None)`` (of the causal
+  LMs only GPT-2 takes token types; encoders: ``(input_ids, attention_mask, token_type_ids, position_ids)``)
   to ``(hidden_states, attention_mask, position_ids)`` (encoders: ``(hidden_states, attention_mask)``). A
   missing ``position_ids`` becomes ``arange(seq_len)[None]``, as the model's own forward does. Only tensors
   enter the pipeline and cross stages, yet a causal LM's mask must stay "none" when the batch has none:
@@ -16,18 +16,20 @@ they need from a few small tensors:
 - **one layer per transformer block** — builds the 4-D mask from the 2-D one (and ``position_ids``) with
   ``transformers``' own mask functions (so the configured attention implementation decides its form) and, for
   rotary models, the ``(cos, sin)`` table from ``position_ids`` with its own copy of the model's rotary
-  embedding, then calls the model's real block (``GPT2Block``, ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
-  ``BertLayer``, ``RobertaLayer``) with its weights, ``use_cache=False``;
-- **head** — final norm and LM head (logits), or for encoders a pooling and a linear regression /
-  classification head.
+  embedding, then calls the model's real block (``LlamaDecoderLayer``, ``Gemma2DecoderLayer``, ``GPT2Block``,
+  ``BertLayer``, …) with its weights, without a cache;
+- **head** — final norm and LM head (logits), or for encoders a pooling and a linear head.
 
 The composition equals the model's own forward without a cache (``model(**batch, use_cache=False)``, what
 ``transformers``' Trainer runs: with a cache, ``transformers`` does not separate packed documents).
 
-Supported: causal LMs ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (Qwen2's sliding-window
-layers included), and encoders ``BertModel`` (e.g. ``sentence-transformers/all-MiniLM-L6-v2``) and
-``RobertaModel``; anything else is refused with that list. Tied input/output embeddings stay tied: the head's
-weight is the embedding layer's ``Parameter``.
+Causal LMs: any ``*ForCausalLM`` with an embedding, one ``ModuleList`` of decoder layers, a final norm and a
+rotary embedding (:func:`decoder_parts`: from ``config.base_model_pp_plan``, or inferred), plus GPT-2. The
+families in :data:`CAUSAL_LM_FAMILIES` are tested; another is checked against its own forward when built
+(:func:`check_composition`). What this module does for particular families is :data:`FAMILY_CODE`. Encoders:
+``BertModel`` (e.g. ``sentence-transformers/all-MiniLM-L6-v2``) and ``RobertaModel``. Tied input/output
+embeddings stay tied: the head's weight is the embedding layer's ``Parameter``. LoRA adapters (``lora=``, or a
+``peft`` model) train with the rest of the model frozen.
 
 Models created on the meta device (``trainer.init_module(empty_init=True)``) come out right when the
 strategy materializes each rank's layers: every ``transformers`` submodule that holds tensors gets a
@@ -41,6 +43,7 @@ folder.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import warnings
@@ -58,12 +61,11 @@ try:
     from transformers.masking_utils import (
         create_bidirectional_mask,
         create_causal_mask,
+        create_chunked_causal_mask,
         create_sliding_window_causal_mask,
     )
     from transformers.models.bert.modeling_bert import BertModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
-    from transformers.models.llama.modeling_llama import LlamaForCausalLM
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
     from transformers.models.roberta.modeling_roberta import RobertaModel
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -75,16 +77,19 @@ from lightning_bfpp import _compat, _lightning_compat
 from lightning_bfpp.loss import mean_over_items
 
 __all__ = [
-    "CAUSAL_LM_CLASSES",
+    "CAUSAL_LM_FAMILIES",
     "ENCODER_CLASSES",
+    "FAMILY_CODE",
+    "DecoderParts",
     "HFCausalLM",
     "HFSequenceRegressor",
     "causal_lm_layers",
+    "check_composition",
+    "decoder_parts",
     "encoder_layers",
     "export_pretrained",
 ]
 
-CAUSAL_LM_CLASSES: tuple[type[PreTrainedModel], ...] = (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM)
 ENCODER_CLASSES: tuple[type[PreTrainedModel], ...] = (BertModel, RobertaModel)
 POOLINGS = ("mean", "cls", "pooler", "none")
 
@@ -97,7 +102,8 @@ def _names(classes: tuple[type, ...]) -> str:
 
 
 class CausalEmbedding(nn.Module):
-    """First layer of a causal LM: token embeddings (plus GPT-2's learned positions, token types and dropout).
+    """First layer of a causal LM: token embeddings, then what the family's forward adds before the first block
+    (GPT-2's learned positions and token types, Granite's ``embedding_multiplier``, an embedding dropout).
 
     Returns ``(hidden_states, attention_mask, position_ids)``, everything the blocks need to rebuild their
     masks and rotary tables on whichever rank they run; without a mask, the one-column stand-in of
@@ -107,17 +113,19 @@ class CausalEmbedding(nn.Module):
 
     def __init__(
         self,
-        embed_tokens: nn.Embedding,
+        embed_tokens: nn.Module,
         embed_positions: nn.Embedding | None = None,
         dropout: nn.Module | None = None,
         *,
         embeds_token_types: bool = False,
+        multiplier: float | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.embed_positions = embed_positions
         self.dropout = dropout
         self.embeds_token_types = embeds_token_types
+        self.multiplier = multiplier
 
     def forward(
         self,
@@ -135,6 +143,8 @@ class CausalEmbedding(nn.Module):
             hidden = hidden + self.embed_positions(position_ids)
         if token_type_ids is not None:
             hidden = hidden + self.embed_tokens(token_type_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         return hidden, _mask_to_send(attention_mask, input_ids), position_ids
@@ -187,6 +197,199 @@ def _causal_mask(
     )
 
 
+# -- the parts of a decoder ------------------------------------------------------------------------------
+
+# The causal LM families whose composed layers are tested against the model's own logits (with padding and with
+# packed documents), trained under the pipeline against one device, and exported back (see the README's list).
+# Another family with the same structure is taken after the check of :func:`check_composition`.
+CAUSAL_LM_FAMILIES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "gpt_neox",
+    "gpt2",
+    "cohere",
+    "mixtral",
+    "qwen3_moe",
+)
+
+# The code this adapter has for particular families: the steps of their forward that live in the forward
+# function rather than in a module, so that no pipeline plan or module tree reveals them. Everything else is the
+# model's own modules (decoder layers, rotary embeddings, norms) and ``transformers``' own mask functions.
+FAMILY_CODE: dict[str, str] = {
+    "gpt2": "learned positions and token types are added in `GPT2Model.forward`, and `GPT2Config` declares no"
+    " pipeline plan: its own embedding (`CausalEmbedding` with `wpe`) and block (`GPT2DecoderBlock`) layers",
+    "granite": "`inputs_embeds * config.embedding_multiplier` in the base forward and `logits /"
+    " config.logits_scaling` in the LM's forward",
+    "gemma2, gemma3_text": "`config.final_logit_softcapping` (tanh soft-capping of the logits) in the LM's forward",
+    "cohere": "`logits * config.logit_scale` in the LM's forward",
+    "starcoder2": "dropout of `config.embedding_dropout` after the embedding, in the base forward",
+}
+_LOGIT_SCALED = ("cohere", "cohere2")
+_MASKS: dict[str, Any] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+}
+
+
+def _layer_type(config: PreTrainedConfig, layer_idx: int) -> str:
+    """The attention kind the model's forward gives layer ``layer_idx`` (which mask it builds for it)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kind = layer_types[layer_idx]
+    else:
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    if kind not in _MASKS:
+        raise ValueError(
+            f"Layer {layer_idx} of this `{config.model_type}` model is a `{kind}` layer; the Hugging Face adapter"
+            f" pipelines attention layers only ({sorted(_MASKS)}), whose state is the hidden states alone."
+        )
+    return kind
+
+
+@dataclasses.dataclass
+class DecoderParts:
+    """The modules a causal LM's forward runs, in order: embedding (and an optional dropout), decoder layers, final
+    norm, LM head, and the rotary embedding each layer's position table comes from."""
+
+    embed_tokens: nn.Module
+    embed_dropout: nn.Module | None
+    layers: list[nn.Module]
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary_emb: nn.Module
+
+
+def _missing(model: PreTrainedModel, part: str, where: str) -> ValueError:
+    return ValueError(
+        f"lightning_bfpp's Hugging Face adapter could not find {part} in `{type(model).__name__}` ({where}). It"
+        " pipelines causal LMs whose base model is an embedding, one `ModuleList` of decoder layers, a final norm"
+        " and a rotary embedding, with an LM head. Write `pipeline_layers()` for this architecture yourself."
+    )
+
+
+def decoder_parts(model: PreTrainedModel) -> DecoderParts:
+    """A ``*ForCausalLM``'s parts, read from its pipeline plan (``config.base_model_pp_plan``: the modules before the
+    one ``ModuleList`` of layers run on the first stage, those after it on the last) or, where the config declares
+    none, from its base model's children (the input embeddings, the one ``ModuleList``, and the module with
+    weights after it). ``rotary_emb`` is in no plan: the base model's, copied onto every stage.
+
+    Refused, naming what was not found or why: a model without an LM head (a base model), more or fewer than one
+    ``ModuleList``, a position scheme computed in the forward (no ``rotary_emb``), non-attention layers (state-space
+    or linear-attention hybrids), Gemma 3's bidirectional mode, and the load-balancing loss of mixture-of-experts
+    models (``output_router_logits=True``): it is a product of means over all layers' router outputs, which live on
+    different stages, so it does not split into per-stage terms.
+    """
+    config = model.config
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if base is None or base is model or lm_head is None:
+        raise TypeError(
+            f"`{type(model).__name__}` is not a causal LM with an LM head over a base model. Load one with"
+            " `AutoModelForCausalLM` (a base model such as `LlamaModel` has no LM head)."
+        )
+    plan = getattr(config, "base_model_pp_plan", None)
+    children = dict(base.named_children())
+    if plan:
+        names = list(plan)
+        missing = [n for n in names if n not in children]
+        if missing:
+            raise _missing(model, f"`{missing[0]}`", "named in `config.base_model_pp_plan`")
+        lists = [n for n in names if isinstance(children[n], nn.ModuleList)]
+        where = "in `config.base_model_pp_plan`"
+    else:
+        names = list(children)
+        lists = [n for n in names if isinstance(children[n], nn.ModuleList)]
+        where = "among the base model's children; its config declares no `base_model_pp_plan`"
+    if len(lists) != 1:
+        raise _missing(model, f"one `ModuleList` of decoder layers (found {lists or 'none'})", where)
+    i = names.index(lists[0])
+    if plan:
+        before, after = [children[n] for n in names[:i]], [children[n] for n in names[i + 1 :]]
+    else:
+        embedding = base.get_input_embeddings()
+        before = [embedding] if embedding is not None else []
+        after = [children[n] for n in names[i + 1 :] if any(True for _ in children[n].parameters())]
+        after = [m for m in after if m is not getattr(base, "rotary_emb", None)]
+    if not before:
+        raise _missing(model, "the token embedding", where)
+    if len(before) > 2 or (len(before) == 2 and not isinstance(before[1], nn.Dropout)):
+        raise _missing(model, "an embedding followed by at most a dropout", where)
+    if len(after) != 1:
+        raise _missing(model, f"one final norm after the layers (found {len(after)} modules)", where)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None:
+        raise _missing(model, "a rotary embedding (`rotary_emb`)", "its positions are computed in its forward")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"`{type(model).__name__}` is configured with `output_router_logits=True`: its load-balancing loss is a"
+            " product of means over every layer's router outputs, which live on different pipeline stages, so it"
+            " cannot be computed stage by stage. Set `config.output_router_logits = False` (the experts and router"
+            " still train through the language-model loss)."
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("Bidirectional attention (`use_bidirectional_attention=True`) is not supported.")
+    dropout = before[1] if len(before) == 2 else None
+    if dropout is None and config.model_type == "starcoder2" and config.embedding_dropout:
+        dropout = nn.Dropout(config.embedding_dropout)
+    layers = list(children[lists[0]])[: config.num_hidden_layers]
+    for i in range(len(layers)):
+        _layer_type(config, i)
+    return DecoderParts(before[0], dropout, layers, after[0], lm_head, rotary)
+
+
+def check_composition(model: PreTrainedModel, layers: list[nn.Module], *, atol: float = 1e-4) -> None:
+    """Refuse ``layers`` unless they compose to ``model``'s own logits on a small padded batch and on a packed one.
+
+    Run on families outside :data:`CAUSAL_LM_FAMILIES`: a forward step that lives in the family's code rather
+    than in its modules would otherwise train a different model without a word. Dropout is off during the check.
+    """
+    vocab = model.config.vocab_size
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(3, vocab - 1), vocab, (2, 6), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]], device=device)
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            for kwargs in ({"attention_mask": mask}, {"position_ids": positions}):
+                want = model(input_ids=ids, use_cache=False, **kwargs).logits
+                try:
+                    x = layers[0](ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+                    for layer in layers[1:]:
+                        x = layer(x)
+                except Exception as error:
+                    raise ValueError(
+                        f"The pipeline layers of this `{model.config.model_type}` model fail where its own forward"
+                        f" runs ({type(error).__name__}: {error}): its layers take something the generic decoder path"
+                        " does not give them. Write `pipeline_layers()` for this architecture yourself. Tested"
+                        f" families: {', '.join(CAUSAL_LM_FAMILIES)}."
+                    ) from error
+                error = (x - want).abs().max().item()
+                if not error <= atol * max(1.0, want.abs().max().item()):
+                    raise ValueError(
+                        f"The pipeline layers of this `{model.config.model_type}` model do not reproduce its logits"
+                        f" (largest difference {error:.2e} with {sorted(kwargs)}): its forward does something the"
+                        " generic decoder path does not know. Write `pipeline_layers()` for this architecture"
+                        f" yourself. Tested families: {', '.join(CAUSAL_LM_FAMILIES)}."
+                    )
+    finally:
+        for m, training in zip(model.modules(), modes, strict=True):
+            m.training = training
+
+
 class GPT2DecoderBlock(nn.Module):
     """One ``GPT2Block``, with the causal mask built from the 2-D attention mask as ``GPT2Model`` builds it."""
 
@@ -204,12 +407,15 @@ class GPT2DecoderBlock(nn.Module):
         return hidden, attention_mask, position_ids
 
 
-class RotaryDecoderBlock(nn.Module):
-    """One Llama/Qwen2 decoder layer with its own copy of the model's rotary embedding.
+class DecoderBlock(nn.Module):
+    """One decoder layer of a rotary-position model (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX, …),
+    called as the model's own forward calls it, with its own copy of the model's rotary embedding.
 
-    The ``(cos, sin)`` table is computed here from ``position_ids`` rather than sent between stages (it is
-    larger than the hidden states' last dimension times two, and cheap to recompute); the mask is the full
-    or sliding-window causal mask that the model's config assigns to this layer.
+    The ``(cos, sin)`` table is computed here from ``position_ids`` rather than sent between stages (it is larger
+    than the hidden states' last dimension times two, and cheap to recompute); the mask is the one the model's
+    forward gives this layer: by ``config.layer_types`` where the config has them (full, sliding-window or chunked
+    attention; Gemma 3's rotary table differs by layer type too), else sliding-window for every layer when
+    ``config.sliding_window`` is set (Mistral, Phi-3, Starcoder2, Mixtral), else full causal.
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: PreTrainedConfig, layer_idx: int) -> None:
@@ -217,35 +423,65 @@ class RotaryDecoderBlock(nn.Module):
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
-        layer_types = getattr(config, "layer_types", None)
-        self.sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        self.layer_type = _layer_type(config, layer_idx)
+        self.rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(
         self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, attention_mask, position_ids = inputs
-        mask = _causal_mask(self.config, hidden, attention_mask, position_ids, sliding=self.sliding)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        hidden = self.layer(
+        mask = _MASKS[self.layer_type](
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=_mask_received(attention_mask, hidden),
+            cache=None,
+            position_ids=position_ids,
+        )
+        if self.rotary_by_type:
+            position_embeddings = self.rotary_emb(hidden, position_ids, self.layer_type)
+        else:
+            position_embeddings = self.rotary_emb(hidden, position_ids)
+        out = self.layer(
             hidden,
             attention_mask=mask,
             position_embeddings=position_embeddings,
             position_ids=position_ids,
             use_cache=False,
         )
+        hidden = out[0] if isinstance(out, tuple) else out
         return hidden, attention_mask, position_ids
 
 
 class CausalLMHead(nn.Module):
-    """Last layer of a causal LM: the final norm and the LM head, returning logits."""
+    """Last layer of a causal LM: the final norm and the LM head, returning logits, then what the family's forward
+    does to the logits (Gemma 2/3's ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's
+    ``logit_scale``; see :data:`FAMILY_CODE`)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+        *,
+        softcap: float | None = None,
+        logits_divisor: float | None = None,
+        logits_multiplier: float | None = None,
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.softcap = softcap
+        self.logits_divisor = logits_divisor
+        self.logits_multiplier = logits_multiplier
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.lm_head(self.norm(inputs[0]))
+        logits = self.lm_head(self.norm(inputs[0]))
+        if self.logits_multiplier is not None:
+            logits = logits * self.logits_multiplier
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class EncoderEmbedding(nn.Module):
@@ -322,10 +558,11 @@ class PoolingHead(nn.Module):
 
 
 def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
-    """The pipeline layers of a supported causal LM (see :data:`CAUSAL_LM_CLASSES`), sharing its modules.
+    """The pipeline layers of a causal LM, sharing its modules: an embedding layer, one layer per decoder block
+    and a head (see :func:`decoder_parts` for which models are taken).
 
     Their composition is the model's ``forward(input_ids, attention_mask, position_ids, token_type_ids).logits``
-    without a cache (GPT-2 only takes ``token_type_ids``). The model object itself is not needed afterwards (its
+    without a cache (only GPT-2 takes ``token_type_ids``). The model object itself is not needed afterwards (its
     modules now belong to the layers).
     """
     config = model.config
@@ -336,20 +573,36 @@ def causal_lm_layers(model: PreTrainedModel) -> list[nn.Module]:
         blocks: list[nn.Module] = [GPT2DecoderBlock(block, config) for block in t.h]
         embed = CausalEmbedding(t.wte, t.wpe, t.drop, embeds_token_types=True)
         return [embed, *blocks, CausalLMHead(t.ln_f, model.lm_head)]
-    if isinstance(model, (LlamaForCausalLM, Qwen2ForCausalLM)):
-        base = model.model
-        rotary = base.rotary_emb
-        blocks = [
-            # each block its own rotary embedding: no buffer is shared between stages
-            RotaryDecoderBlock(layer, rotary if i == 0 else copy.deepcopy(rotary, {id(config): config}), config, i)
-            for i, layer in enumerate(base.layers[: config.num_hidden_layers])
-        ]
-        return [CausalEmbedding(base.embed_tokens), *blocks, CausalLMHead(base.norm, model.lm_head)]
-    raise TypeError(
-        f"lightning_bfpp's Hugging Face adapter pipelines the causal LMs {_names(CAUSAL_LM_CLASSES)}; got"
-        f" `{type(model).__name__}`. Load one with `AutoModelForCausalLM` (a base model such as `LlamaModel` has"
-        " no LM head), or write `pipeline_layers()` for this architecture yourself."
+    parts = decoder_parts(model)
+    rotary = parts.rotary_emb
+    blocks = [
+        # each block its own rotary embedding: no buffer is shared between stages
+        DecoderBlock(layer, rotary if i == 0 else copy.deepcopy(rotary, {id(config): config}), config, i)
+        for i, layer in enumerate(parts.layers)
+    ]
+    embed = CausalEmbedding(
+        parts.embed_tokens, dropout=parts.embed_dropout, multiplier=getattr(config, "embedding_multiplier", None)
     )
+    head = CausalLMHead(
+        parts.norm,
+        parts.lm_head,
+        softcap=getattr(config, "final_logit_softcapping", None),
+        logits_divisor=getattr(config, "logits_scaling", None),
+        logits_multiplier=getattr(config, "logit_scale", None) if config.model_type in _LOGIT_SCALED else None,
+    )
+    layers = [embed, *blocks, head]
+    if config.model_type not in CAUSAL_LM_FAMILIES:
+        if next(model.parameters()).device.type == "meta":
+            warnings.warn(
+                f"`{config.model_type}` is not among the tested families ({', '.join(CAUSAL_LM_FAMILIES)}) and its"
+                " weights are on the meta device, so its pipeline layers could not be checked against its own"
+                " forward. Build the module once with real weights to have them checked.",
+                UserWarning,
+                stacklevel=2,
+            )
+        else:
+            check_composition(model, layers)
+    return layers
 
 
 def encoder_layers(model: PreTrainedModel) -> list[nn.Module]:
@@ -406,6 +659,104 @@ def _install_resets(model: PreTrainedModel, layers: list[nn.Module], hf_modules:
             ancestors = [by_name[".".join(parts[:i])] for i in range(len(parts), 0, -1)]
             chain = [m for m in ancestors if id(m) in hf_modules]
             module.reset_parameters = _HFReset(type(model), model.config, chain)
+
+
+# -- LoRA ---------------------------------------------------------------------------------------------------
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError('LoRA fine-tuning needs `peft` (>= 0.21): pip install "lightning-bfpp[lora]"') from error
+    return peft
+
+
+def _is_peft_model(source: Any) -> bool:
+    return type(source).__module__.startswith("peft.") and hasattr(source, "peft_config")
+
+
+def _lora_config(lora: Any) -> Any:
+    """A ``peft.LoraConfig`` from one, or from a dict of its fields (as :func:`_lora_hparams` writes it)."""
+    peft = _peft()
+    if isinstance(lora, peft.LoraConfig):
+        return lora
+    if isinstance(lora, Mapping):
+        fields = {k: v for k, v in lora.items() if k not in ("peft_type", "task_type")}
+        return peft.LoraConfig(**fields)
+    raise TypeError(f"`lora` must be a `peft.LoraConfig` or a dict of its fields; got {type(lora).__name__}.")
+
+
+def _lora_hparams(config: Any) -> dict[str, Any]:
+    """A LoRA config as plain values (saved with the checkpoint's hyper-parameters; :func:`_lora_config` reads it)."""
+    import enum
+
+    plain: dict[str, Any] = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, (set, frozenset)):
+            value = sorted(value)
+        plain[key] = value
+    return plain
+
+
+def _unwrap_peft(source: Any) -> tuple[PreTrainedModel, Any, str]:
+    """The ``transformers`` model inside a ``PeftModel`` (its LoRA layers in place), its LoRA config and adapter."""
+    peft = _peft()
+    configs = dict(source.peft_config)
+    if len(configs) != 1:
+        raise ValueError(f"A `PeftModel` with one adapter is supported; this one has {sorted(configs)}.")
+    ((adapter, config),) = configs.items()
+    if not isinstance(config, peft.LoraConfig):
+        raise ValueError(
+            f"Of the `peft` methods, LoRA is supported (its layers are modules of the model, which the pipeline cuts);"
+            f" got `{type(config).__name__}`. Prompt and prefix tuning change the inputs of every layer."
+        )
+    if config.modules_to_save:
+        raise ValueError(
+            "LoRA with `modules_to_save` is not supported: unfreeze those modules with `requires_grad_(True)`"
+            " instead (they then train and are saved with the model)."
+        )
+    return source.base_model.model, config, adapter
+
+
+def _apply_lora(model: PreTrainedModel, config: Any, adapter: str) -> None:
+    """Add ``config``'s LoRA layers to ``model`` in place (its other weights frozen), as ``get_peft_model`` does."""
+    peft = _peft()
+    if config.modules_to_save:
+        raise ValueError(
+            "LoRA with `modules_to_save` is not supported: unfreeze those modules with `requires_grad_(True)`"
+            " instead (they then train and are saved with the model)."
+        )
+    peft.get_peft_model(model, copy.deepcopy(config), adapter_name=adapter)
+
+
+def _install_lora_resets(layers: list[nn.Module], init_lora_weights: Any) -> None:
+    """``reset_parameters()`` for LoRA's A and B matrices: ``peft``'s own init (B zero, so a fresh adapter starts
+    as the base model), not the model's or torch's, for layers materialized from the meta device."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    reset = _LoraReset(module, adapter, init_lora_weights)
+                    module.lora_A[adapter].reset_parameters = reset
+                    module.lora_B[adapter].reset_parameters = reset
+
+
+class _LoraReset:
+    """``peft``'s ``reset_lora_parameters`` of one adapter of one LoRA layer, with the init its config asks for."""
+
+    def __init__(self, module: nn.Module, adapter: str, init_lora_weights: Any) -> None:
+        self.module = module
+        self.adapter = adapter
+        self.init_lora_weights = init_lora_weights
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            self.module.reset_lora_parameters(self.adapter, self.init_lora_weights)
 
 
 # -- LightningModules -------------------------------------------------------------------------------------
@@ -518,6 +869,8 @@ class _HFPipelineModule(L.LightningModule):
             id(m) for layer in layers for m in layer.modules() if type(m).__module__.startswith("transformers.")
         )
         _install_resets(model, [*layers, head], hf_modules)
+        if self.lora_config is not None:
+            _install_lora_resets([*layers, head], self.lora_config.init_lora_weights)
         self.hf_config = model.config
         self.embed = layers[0]
         self.blocks = nn.ModuleList(layers[1:])
@@ -536,11 +889,35 @@ class _HFPipelineModule(L.LightningModule):
         )
         self._warned_fields: set[tuple[str, ...]] = set()
 
+    def _load_with_lora(
+        self, model: Any, auto_class: Any, attn_implementation: str | None, lora: Any, adapter_name: str
+    ) -> PreTrainedModel:
+        """The ``transformers`` model (see :func:`_load`), with LoRA layers from ``lora`` or from a ``PeftModel``."""
+        self.lora_config: Any = None
+        self.adapter_name = adapter_name
+        if _is_peft_model(model):
+            if lora is not None:
+                raise ValueError("Pass a `PeftModel` or `lora=` with a `transformers` model, not both.")
+            model, self.lora_config, self.adapter_name = _unwrap_peft(model)
+        hf_model = _load(model, auto_class, attn_implementation)
+        if lora is not None:
+            self.lora_config = _lora_config(lora)
+            _apply_lora(hf_model, self.lora_config, adapter_name)
+        return hf_model
+
+    def _lora_hparams(self) -> dict[str, Any]:
+        if self.lora_config is None:
+            return {}
+        return {"lora": _lora_hparams(self.lora_config), "adapter_name": self.adapter_name}
+
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        """AdamW over the parameters that train: with LoRA, or with weights frozen by hand, the frozen ones get no
+        optimizer state."""
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trained, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This module's state dict as full CPU tensors; on one process (or called on every rank alike).
@@ -620,10 +997,12 @@ class _HFPipelineModule(L.LightningModule):
 
 
 class HFCausalLM(_HFPipelineModule):
-    """A ``transformers`` causal LM (GPT-2, Llama, Qwen2) as a pipelinable LightningModule.
+    """A ``transformers`` causal LM (see :data:`CAUSAL_LM_FAMILIES`) as a pipelinable LightningModule.
 
-    ``model``: a ``GPT2LMHeadModel``/``LlamaForCausalLM``/``Qwen2ForCausalLM``, its config (object, or
-    ``config.to_dict()``), or a name/folder for ``AutoModelForCausalLM.from_pretrained``. The steps take
+    ``model``: a ``*ForCausalLM``, its config (object, or ``config.to_dict()``), a name/folder for
+    ``AutoModelForCausalLM.from_pretrained``, or a ``peft`` model with one LoRA adapter. ``lora``: a
+    ``peft.LoraConfig`` (or its fields) whose adapters train while the model stays frozen; ``adapter_name``
+    names them. The steps take
     batches as dicts (``input_ids``, optional ``attention_mask``, ``position_ids``, GPT-2's ``token_type_ids``,
     and ``labels``), tuples ``(input_ids, attention_mask, labels)``, or a tensor of ids; the logits are the
     model's ``model(**batch, use_cache=False)``. Packed documents (``position_ids`` restarting at 0 in each
@@ -642,9 +1021,11 @@ class HFCausalLM(_HFPipelineModule):
         lr: float = 5e-5,
         weight_decay: float = 0.0,
         attn_implementation: str | None = None,
+        lora: Any = None,
+        adapter_name: str = "default",
     ) -> None:
         super().__init__()
-        hf_model = _load(model, AutoModelForCausalLM, attn_implementation)
+        hf_model = self._load_with_lora(model, AutoModelForCausalLM, attn_implementation, lora, adapter_name)
         layers = causal_lm_layers(hf_model)
         self._adopt(
             hf_model, layers[:-1], layers[-1], ("input_ids", "attention_mask", "position_ids", "token_type_ids")
@@ -656,6 +1037,7 @@ class HFCausalLM(_HFPipelineModule):
                 "lr": lr,
                 "weight_decay": weight_decay,
                 "attn_implementation": _compat.attn_implementation(hf_model.config),
+                **self._lora_hparams(),
             }
         )
 
@@ -724,11 +1106,13 @@ class HFSequenceRegressor(_HFPipelineModule):
         lr: float = 5e-5,
         weight_decay: float = 0.0,
         attn_implementation: str | None = None,
+        lora: Any = None,
+        adapter_name: str = "default",
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 2:
             raise ValueError(f"`num_labels` must be None (regression) or at least 2 (classes); got {num_labels}.")
-        hf_model = _load(model, AutoModel, attn_implementation)
+        hf_model = self._load_with_lora(model, AutoModel, attn_implementation, lora, adapter_name)
         layers = encoder_layers(hf_model)
         head = PoolingHead(hf_model.config.hidden_size, num_labels or 1, pooling, getattr(hf_model, "pooler", None))
         self._adopt(hf_model, layers, head, ("input_ids", "attention_mask", "token_type_ids", "position_ids"))
@@ -741,6 +1125,7 @@ class HFSequenceRegressor(_HFPipelineModule):
                 "lr": lr,
                 "weight_decay": weight_decay,
                 "attn_implementation": _compat.attn_implementation(hf_model.config),
+                **self._lora_hparams(),
             }
         )
 
@@ -818,7 +1203,11 @@ def _module_from_checkpoint(path: Path) -> tuple[_HFPipelineModule, dict[str, to
 
 
 def export_pretrained(
-    source: _HFPipelineModule | str | os.PathLike[str], out_dir: str | os.PathLike[str], **save_kwargs: Any
+    source: _HFPipelineModule | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    merge: bool = False,
+    **save_kwargs: Any,
 ) -> Path:
     """Write a trained :class:`HFCausalLM` / :class:`HFSequenceRegressor` as a ``save_pretrained`` folder.
 
@@ -829,6 +1218,11 @@ def export_pretrained(
     ``AutoModel.from_pretrained(out_dir)`` (encoders) then loads the trained model; an encoder's task head,
     which ``transformers`` does not know, is saved beside it in ``bfpp_task_head.pt``
     (``{"pooling", "num_labels", "state_dict"}``). ``save_kwargs`` go to ``save_pretrained``.
+
+    A module trained with LoRA is written as ``peft``'s adapter folder (``adapter_config.json`` and the adapter
+    weights), which ``PeftModel.from_pretrained(base_model, out_dir)`` loads onto the base model; with
+    ``merge=True``, as the whole model with the adapters merged into its weights (``merge_and_unload``), which
+    ``from_pretrained`` loads without ``peft``.
     """
     if isinstance(source, _HFPipelineModule):
         module, full = source, source.full_state_dict()
@@ -839,9 +1233,19 @@ def export_pretrained(
     auto_class = AutoModel if isinstance(module, HFSequenceRegressor) else AutoModelForCausalLM
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     model = auto_class.from_config(config, dtype=dtypes.pop() if len(dtypes) == 1 else None)
-    model.load_state_dict(state, strict=True)
     out = Path(out_dir)
-    model.save_pretrained(out, **save_kwargs)
+    if module.lora_config is None:
+        if merge:
+            raise ValueError("`merge=True` merges LoRA adapters; this module has none.")
+        model.load_state_dict(state, strict=True)
+        model.save_pretrained(out, **save_kwargs)
+    else:
+        peft_model = _peft().get_peft_model(model, copy.deepcopy(module.lora_config), adapter_name=module.adapter_name)
+        model.load_state_dict(state, strict=True)
+        if merge:
+            peft_model.merge_and_unload().save_pretrained(out, **save_kwargs)
+        else:
+            peft_model.save_pretrained(out, **save_kwargs)
     if isinstance(module, HFSequenceRegressor):
         head = {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.classifier.")}
         torch.save(

@@ -55,25 +55,53 @@ CAUSAL_LM_TINY = [
 
 @pytest.mark.timeout(180)
 def test_finetune_causal_lm_example_runs(tmp_path):
-    """The causal LM example trains, validates, exports and samples under bfpp (p=2, dp=2) through the CLI."""
+    """The causal LM example trains LoRA adapters, validates, exports (the adapter folder, and the merged model)
+    and samples under bfpp (p=2, dp=2) through the CLI."""
     pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     out = _run_example(
-        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--trainer.default_root_dir", str(tmp_path)],
+        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--model.lora", "true",
+         "--trainer.default_root_dir", str(tmp_path)],
         timeout=170,
-    )
-    assert "strategy=BFPPStrategy, 4 process(es), 3 steps" in out
+    )  # fmt: skip
+    assert "llama: strategy=BFPPStrategy, 4 process(es), 3 steps" in out and "LoRA rank 8" in out
     assert "held-out perplexity per byte after" in out and "sample (top-4)" in out
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "pretrained" / "config.json").is_file()
 
 
 @pytest.mark.timeout(90)
 def test_finetune_causal_lm_example_runs_on_one_process(tmp_path):
-    """The same script with ``strategy="auto"`` on one process: the export and sampling path of a plain file."""
+    """The same script with ``strategy="auto"`` on one process, another family, full fine-tuning: the export and
+    sampling path of a plain file."""
     pytest.importorskip("transformers")
     out = _run_example(
-        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--trainer.strategy", "auto",
-         "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)],
+        ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--model.family", "gemma2",
+         "--trainer.strategy", "auto", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)],
         timeout=80,
     )  # fmt: skip
-    assert "strategy=SingleDeviceStrategy, 1 process(es), 3 steps" in out
+    assert "gemma2: strategy=SingleDeviceStrategy, 1 process(es), 3 steps" in out
     assert (tmp_path / "pretrained" / "config.json").is_file()
+
+
+EVERY_FAMILY = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+                "gpt_neox", "gpt2", "cohere", "mixtral", "qwen3_moe"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", EVERY_FAMILY)
+def test_finetune_causal_lm_example_builds_every_family(family):
+    """`--model.family` takes every tested family (`CAUSAL_LM_FAMILIES`, checked against this list)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from finetune_causal_lm import PydocLM
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES
+
+    assert set(EVERY_FAMILY) == set(CAUSAL_LM_FAMILIES)
+    module = PydocLM(family=family, layers=2, hidden_size=32, heads=4, max_len=32)
+    assert module(torch.randint(0, 256, (2, 16))).shape == (2, 16, 257)
+    assert module.hf_config.model_type == family

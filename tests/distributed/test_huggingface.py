@@ -30,7 +30,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from lightning_bfpp.integrations.huggingface import export_pretrained
 from tests.distributed.harness import assert_steps_match, launch, run_2x2
-from tests.hf_models import VOCAB, hf_module, hf_reference_run, tiny_config
+from tests.hf_models import VOCAB, assert_trained_as_reference, hf_module, hf_reference_run, tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -83,18 +83,7 @@ def results(launched):
 
 @pytest.mark.parametrize("run", [*EQUIVALENCE, PACKED, *TIED, FROM_FOLDER], ids=lambda r: r.name)
 def test_matches_single_device(run, results):
-    ref = hf_reference_run(run)
-    assert len(ref.steps) == 6
-    result = results[run.name]
-    assert_steps_match(result, ref, tol=TOL)
-    assert set(result.params) == set(ref.params)
-    for name, want in ref.params.items():
-        error = (result.params[name].double() - want.double()).norm().item()
-        assert error <= TOL * want.double().norm().item() + ATOL, f"{name}: {error:.2e}"
-    # the weights moved, so agreeing is not trivial
-    initial = dict(hf_module(run).named_parameters(remove_duplicate=False))
-    moved = [(ref.params[k] - initial[k].detach()).norm() / initial[k].detach().norm() for k in ref.params]
-    assert sorted(moved)[len(moved) // 2] > 1e-3
+    assert_trained_as_reference(results[run.name], hf_reference_run(run), run, tol=TOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("run", EQUIVALENCE, ids=lambda r: r.name)

@@ -339,6 +339,11 @@ class Probe(L.Callback):
             dtypes = self.holdings["layer_probe"]["linear_dtypes"]
             self.holdings["layer_probe"]["linear_dtypes"] = {step: sorted(d) for step, d in dtypes.items()}
         names = {id(p): n for n, p in pl_module.named_parameters()}
+        # this rank's parameter storage, of the parameters that train and of the frozen ones
+        self.holdings["parameter_numel"] = {
+            kind: sum(_local_numel(p) for p in pl_module.parameters() if p.requires_grad == trained)
+            for kind, trained in (("trained", True), ("frozen", False))
+        }
         optimizer = trainer.optimizers[0]
         self.holdings["lrs"] = [group["lr"] for group in optimizer.param_groups]
         self.holdings["counters"] = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
