@@ -4,12 +4,13 @@ A tiny Llama (3 blocks, grouped-query attention) with ``peft`` LoRA adapters on 
 MLP's down projection (rank 4) trains on padded batches on 4 CPU processes:
 
 - breadth-first with ``full_shard``, ``shard_grad_op`` and ``no_shard``, depth-first, GPipe and 1F1B (one stage
-  per rank), and weight passing; each against ``strategy="auto"`` on one process on the same global batches:
-  losses and every weight (adapters and frozen base) within 1e-5 relative in fp32;
-- only the adapters have optimizer state; the frozen base stays sharded (``full_shard``: a quarter... of each
-  weight per rank, as FSDP2 shards it over the 2 replicas), and its weights are never reduced: the bytes FSDP2
-  reduce-scatters per step are the adapters' gradients alone, against the whole model's for full fine-tuning
-  of the same model in the same launch. The parameter and optimizer memory per rank of both is printed;
+  per rank), weight passing, and ``hybrid_shard`` (2 "nodes" of 2 processes); each against ``strategy="auto"``
+  on one process on the same global batches: losses and every weight (adapters and frozen base) within 1e-5
+  relative in fp32;
+- only the adapters have optimizer state; the frozen base stays sharded as full fine-tuning's weights are
+  (each rank holds the same share of them), and it is never reduced: the bytes FSDP2 reduce-scatters per step
+  are the adapters' gradients alone, against the whole model's for full fine-tuning of the same model in the
+  same launch. The parameter and optimizer memory per rank of both is printed;
 - a run stopped after 4 steps and resumed from its checkpoint continues as one device resumed from its own;
 - the trained adapters export to ``peft``'s adapter folder (``PeftModel.from_pretrained`` on the base model
   gives the one-device model's logits) and, merged, to a ``from_pretrained`` folder;
@@ -51,6 +52,14 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_pr
 LORA_LR = 5.0
 ONE_STAGE_PER_RANK = {"stages_per_rank": 1, "num_microbatches": 4}
 WEIGHT_PASSING = {"schedule": "weight_passing", "num_microbatches": 2}
+# one stage pair per rank (p=1), sharded inside each "node" of 2 processes and replicated across the two
+HYBRID = {
+    "pipeline_parallel_size": 1,
+    "stages_per_rank": 2,
+    "num_microbatches": 2,
+    "sharding": "hybrid_shard",
+    "processes_per_node": 2,
+}
 
 
 def run(name: str, *, strategy=None, model=None, checks=(), **kwargs):
@@ -64,8 +73,8 @@ def run(name: str, *, strategy=None, model=None, checks=(), **kwargs):
         checks=checks,
         **kwargs,
     )
-    if strategy is WEIGHT_PASSING:
-        return dataclasses.replace(spec, strategy=WEIGHT_PASSING, local_batch_size=4, data_parallel_size=4)
+    if strategy in (WEIGHT_PASSING, HYBRID):  # 4 replicas of 4 samples: the same global batch
+        return dataclasses.replace(spec, strategy=strategy, local_batch_size=4, data_parallel_size=4)
     return spec
 
 
@@ -84,6 +93,7 @@ LORA_RUNS = [
     lora_run("lora_gpipe", strategy={"schedule": "gpipe", **ONE_STAGE_PER_RANK}),
     lora_run("lora_1f1b", strategy={"schedule": "1f1b", **ONE_STAGE_PER_RANK}),
     lora_run("lora_weight_passing", strategy=WEIGHT_PASSING),
+    lora_run("lora_hybrid_shard", strategy=HYBRID),
 ]
 # adapters on blocks 0 and 2 only, with stages [embed], [block 0], [block 1], [block 2, head]: pipeline rank 0
 # holds only frozen weights, and the module's optimizer over its trained parameters gets an empty list there

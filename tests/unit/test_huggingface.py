@@ -626,3 +626,14 @@ def test_other_peft_methods_and_modules_to_save_are_refused():
         HFCausalLM(prompt)
     with pytest.raises(ValueError, match="`modules_to_save` is not supported"):
         HFCausalLM(tiny_config("llama"), lora={**LORA, "modules_to_save": ["lm_head"]})
+
+
+def test_lora_on_an_encoder_trains_adapters_and_the_task_head_and_exports_both(tmp_path):
+    torch.manual_seed(0)
+    module = HFSequenceRegressor(tiny_config("bert"), num_labels=3, lora={**LORA, "target_modules": ["query", "value"]})
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert {n for n in trained if not n.startswith("head.")} and all(
+        ".lora_" in n or n.startswith("head.classifier.") for n in trained
+    )
+    out = export_pretrained(module, tmp_path / "adapter")
+    assert (out / "adapter_config.json").is_file() and (out / TASK_HEAD_FILE).is_file()
