@@ -9,7 +9,7 @@ meta-device model, materializes) only its own stages.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,26 @@ class Recompute(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+
+def compile_options(spec: Any) -> dict[str, Any] | None:
+    """``compile`` as ``torch.compile``'s arguments, or None for no compilation."""
+    if spec is False or spec is None:
+        return None
+    if spec is True:
+        return {}
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    raise TypeError(f"BFPPStrategy: `compile` must be a bool or a dict of `torch.compile` arguments; got {spec!r}.")
+
+
+def compiled(layer: nn.Module, options: dict[str, Any] | None) -> nn.Module:
+    """``layer`` with its forward compiled in place (``nn.Module.compile``: parameter names and state unchanged),
+    or as it is without ``options``. Each layer is compiled on its own, so the pipeline's transfers, FSDP2's hooks
+    on the stage and the schedule stay outside the compiled code; a layer another rank runs is never compiled."""
+    if options is not None:
+        layer.compile(**options)
+    return layer
 
 
 def recompute_policy(spec: Any) -> Callable[[nn.Module], bool]:

@@ -311,13 +311,26 @@ class LoggedValueSync:
         return reduced
 
 
+class _ReducedOverReplicas:
+    """The ``sync_dist_group`` of replayed values: already combined over every micro-batch and replica, the same
+    on every rank. Lightning's sync (``BFPPStrategy.reduce``) returns them as they are."""
+
+    def __repr__(self) -> str:
+        return "REDUCED_OVER_REPLICAS"
+
+
+REDUCED_OVER_REPLICAS = _ReducedOverReplicas()
+
+
 def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tensor, *, metric_updated: bool) -> None:
     """Call ``module.log`` for each name with its combined value, as the step itself would have.
 
     A logged metric's state lives where it was updated (the last stage); ranks where it was not
     (``metric_updated=False``) log the same metric object with default states, which add nothing when
     Lightning's epoch-end ``compute()`` syncs states over all ranks (sum, cat, min and max states), and are
-    marked updated so torchmetrics does not warn about a ``compute`` before ``update``.
+    marked updated so torchmetrics does not warn about a ``compute`` before ``update``. Tensor values are logged
+    with ``sync_dist=True`` over :data:`REDUCED_OVER_REPLICAS`: nothing is reduced again, and Lightning does not
+    advise ``sync_dist=True`` for epoch-level values that are already the whole batch's.
     """
     for spec, value in zip(specs, values, strict=True):
         options = dict(spec.options)
@@ -326,4 +339,4 @@ def replay(module: LightningModule, specs: Sequence[LogSpec], values: torch.Tens
             set_metric_step_value(metric, value.clone(), mark_updated=not metric_updated)
             module.log(spec.name, metric, metric_attribute=spec.metric_attribute, sync_dist=False, **options)
         else:
-            module.log(spec.name, value.clone(), sync_dist=False, **options)
+            module.log(spec.name, value.clone(), sync_dist=True, sync_dist_group=REDUCED_OVER_REPLICAS, **options)

@@ -16,7 +16,7 @@ precision checks, ``is_distributed``) and replaces what assumes a whole model pe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -51,6 +51,8 @@ from lightning_bfpp.layers import (
     batch_statistics_layers,
     batch_statistics_warning,
     check_no_collective_layers,
+    compile_options,
+    compiled,
     keep_local_layers,
     layer_weights,
     materialize_meta,
@@ -58,7 +60,13 @@ from lightning_bfpp.layers import (
     pipeline_layers,
     recompute_policy,
 )
-from lightning_bfpp.logged_values import LoggedValueSync, SharedStep, combine_microbatches, replay
+from lightning_bfpp.logged_values import (
+    REDUCED_OVER_REPLICAS,
+    LoggedValueSync,
+    SharedStep,
+    combine_microbatches,
+    replay,
+)
 from lightning_bfpp.microbatch import batch_size
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.pipeline import Pipeline, StepResult
@@ -129,6 +137,10 @@ class BFPPStrategy(ModelParallelStrategy):
             adapter's modules say ``"time"``), else ``"parameters"``.
         activation_checkpointing: recompute layers' activations in backward instead of storing them:
             ``True`` for every layer, a layer type (or tuple of types), or a callable ``layer -> bool``.
+        compile: compile each pipeline layer with ``torch.compile`` (``True``, or a dict of its arguments, e.g.
+            ``{"mode": "max-autotune"}``), as torchtitan compiles each block: stages, transfers and sharding stay
+            outside the compiled code. (``torch.compile(module)`` on the LightningModule is refused by Lightning
+            for this strategy.)
         overlap_reductions: run each stage's gradient reduction while the rank's remaining backward computes,
             and wait for all of them once, before clipping and the optimizer step (see
             :mod:`lightning_bfpp.reductions`): ``"stream"`` on FSDP2's reduction stream (CUDA), ``"thread"`` on
@@ -166,6 +178,7 @@ class BFPPStrategy(ModelParallelStrategy):
         prefetch_stages: int = 1,
         processes_per_node: int | None = None,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
+        compile: bool | Mapping[str, Any] = False,
         overlap_reductions: bool | Literal["auto", "stream", "thread"] = "auto",
         trace: str | Path | None = None,
         trace_steps: int = 4,
@@ -190,6 +203,7 @@ class BFPPStrategy(ModelParallelStrategy):
             processes_per_node=processes_per_node,
         )
         self._recompute = recompute_policy(activation_checkpointing)
+        self._compile = compile_options(compile)
         # None: the module's own `pipeline_partition` if it has one (the Hugging Face adapter's is "time")
         self._partition_given = partition is not None
         self._layer_times: list[float] | None = None  # partition="time": measured at setup
@@ -522,7 +536,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self.model_to_device()
         stage_modules = []
         for stage in plan.stages_of(self.pipeline_rank):
-            layers = [local[name] for name in plan.stage_layers(stage)]
+            layers = [compiled(local[name], self._compile) for name in plan.stage_layers(stage)]
             layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
             names = plan.stage_layers(stage)
             stage_modules.append(StageModule(layers, stage, names=names, is_last=stage == plan.num_stages - 1))
@@ -629,6 +643,7 @@ class BFPPStrategy(ModelParallelStrategy):
             names = plan.stage_layers(c)
             layers = [layers_by_name[name] for name in names]
             broadcasts.append(Broadcast(local_state(layers, parameters=False), chunk_owner[c], world))
+            layers = [compiled(layer, self._compile) for layer in layers]
             layers = [Recompute(layer) if self._recompute(layer) else layer for layer in layers]
             stage_module = StageModule(layers, c, names=names, is_last=c == plan.num_stages - 1)
             stage_modules.append(stage_module)
@@ -921,8 +936,11 @@ class BFPPStrategy(ModelParallelStrategy):
 
         This is what ``self.log(..., sync_dist=True)`` in a hook does: every rank of a pipeline runs the hook
         with the same value, and the replicas' values are combined. Reducing over all ranks would count each
-        replica once per pipeline rank (a ``"sum"`` ``p`` times too large).
+        replica once per pipeline rank (a ``"sum"`` ``p`` times too large). Values the strategy logged for a step
+        (``group=REDUCED_OVER_REPLICAS``) are already reduced and come back as they are.
         """
+        if group is REDUCED_OVER_REPLICAS:
+            return tensor
         self._refuse_inside_step("`trainer.strategy.reduce`")
         if group is None and self.layout is not None and self.layout.data_parallel_size < self.world_size:
             if self.layout.data_parallel_size == 1:

@@ -200,7 +200,7 @@ def _causal_mask(
 # -- the parts of a decoder ------------------------------------------------------------------------------
 
 # The causal LM families whose composed layers are tested against the model's own logits (with padding and with
-# packed documents), trained under the pipeline against one device, and exported back (see the README's list).
+# packed documents), trained under the pipeline against one device, and exported back (see docs/huggingface.md).
 # Another family with the same structure is taken after the check of :func:`check_composition`.
 CAUSAL_LM_FAMILIES: tuple[str, ...] = (
     "llama",

@@ -52,8 +52,10 @@ RUNS = {
             "validation_and_metrics",
             model={"metrics": True, "predict_output": "labelled"},
             trainer={"max_epochs": 2, "max_steps": -1, "val_check_interval": 2, "num_sanity_val_steps": 2},
-            checks=("validate", "test", "predict"),
+            checks=("validate", "test", "predict", "warnings"),
         ),
+        # every pipeline layer compiled (`aot_eager`: dynamo and AOT autograd without inductor's compile time)
+        run("compiled_layers", strategy={"compile": {"backend": "aot_eager"}}),
         # layer_probe: each layer's forward calls and matmul dtypes per step (tests/distributed/worker.py)
         run("recompute_all", strategy={"activation_checkpointing": True}, checks=("layer_probe",)),
         run("no_recompute", checks=("layer_probe",)),
@@ -70,11 +72,22 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", ["clip_norm", "clip_value", "groups_step_lr", "adamw_epoch_lr", "validation_and_metrics", "recompute_all"]
+    "name",
+    [
+        "clip_norm",
+        "clip_value",
+        "groups_step_lr",
+        "adamw_epoch_lr",
+        "validation_and_metrics",
+        "recompute_all",
+        "compiled_layers",
+    ],
 )
 def test_training_matches_single_device(name, results):
     _, res = results
     ref = reference_run(RUNS[name])
+    if name == "compiled_layers":  # every rank's layers ran compiled (10 layers, 5 on each pipeline rank)
+        assert [r["holdings"]["compiled_layers"] for r in res[name].ranks] == [5] * 4
     assert_steps_match(res[name], ref, tol=TOL)
     assert_params_match(res[name], ref, tol=TOL)
     for rank_result in res[name].ranks:
@@ -135,6 +148,14 @@ def test_validation_metrics_match_and_run_mid_epoch(results):
             for key in ("train_mae_step", "train_mae_epoch"):
                 if key in want["callback_metrics"]:
                     assert got["callback_metrics"][key] == pytest.approx(want["callback_metrics"][key], rel=TOL)
+
+
+def test_no_sync_dist_advice_for_values_the_strategy_already_reduced(results):
+    """`val_loss`/`test_loss` are logged on epoch level without `sync_dist`: the values Lightning sees are already
+    the global batch's (same on every rank), so its advice to add `sync_dist=True` would mislead."""
+    _, res = results
+    warned = res["validation_and_metrics"].ranks[0]["warnings"]
+    assert not [w for w in warned if "sync_dist=True" in w], warned
 
 
 def test_test_step_metrics_match(results):

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -327,6 +328,12 @@ class Probe(L.Callback):
         self.events.step = trainer.global_step + 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        stage_modules = getattr(pipeline, "stage_modules", [])
+        # layers whose forward runs compiled (`BFPPStrategy(compile=...)`)
+        self.holdings["compiled_layers"] = sum(
+            getattr(m, "_compiled_call_impl", None) is not None for stage in stage_modules for m in stage.modules()
+        )
         self.holdings["runtime_untouched"] = (
             torch_schedules.record_function is ORIGINAL_RUNTIME[0]
             and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
@@ -495,11 +502,15 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
     val = eval_loader(run, run.local_batch_size, seed=2) if "validate" in run.checks else None
     ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
-    fit(trainer, model, loader, val, run, ckpt_path)
-    if "save_at_end" in run.checks:
-        trainer.save_checkpoint(out / "end.ckpt")
-    rank = trainer.global_rank
-    extras = after_fit(trainer, model, run, run.local_batch_size)
+    with warnings.catch_warnings(record=True) as caught:  # "warnings": what the run warned about
+        warnings.simplefilter("always")
+        fit(trainer, model, loader, val, run, ckpt_path)
+        if "save_at_end" in run.checks:
+            trainer.save_checkpoint(out / "end.ckpt")
+        rank = trainer.global_rank
+        extras = after_fit(trainer, model, run, run.local_batch_size)
+    if "warnings" in run.checks:
+        extras["warnings"] = sorted({str(w.message) for w in caught})
     if ranking is not None:
         extras["planner_ranking"] = {"ranked": list(ranking), "ran": _layout_run(trainer.strategy)}
     if "predict" in extras:

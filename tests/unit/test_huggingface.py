@@ -282,8 +282,18 @@ def perturbed(module) -> None:
             p.add_(0.01 * torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("source", ["module", "checkpoint_file", "bfpp_folder"])
-@pytest.mark.parametrize("family", [*CAUSAL_FAMILIES, "bert", "gpt2_tied"])
+# every family from the module; the checkpoint kinds (one family per structure) read the same names
+EXPORTS = [
+    *[(family, "module") for family in (*CAUSAL_FAMILIES, "bert", "gpt2_tied")],
+    *[
+        (family, source)
+        for family in ("gpt2", "llama", "gemma2", "bert", "gpt2_tied")
+        for source in ("checkpoint_file", "bfpp_folder")
+    ],
+]
+
+
+@pytest.mark.parametrize(("family", "source"), EXPORTS)
 def test_export_loads_with_from_pretrained_and_gives_equal_outputs(family, source, tmp_path):
     tie = family == "gpt2_tied"
     family = family.removesuffix("_tied")

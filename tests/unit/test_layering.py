@@ -30,6 +30,20 @@ ENGINE = [
     "lightning_bfpp.trace",
     "lightning_bfpp.clipping",
     "lightning_bfpp.tied",
+    "lightning_bfpp.agreement",
+    "lightning_bfpp.failures",
+    "lightning_bfpp.frozen",
+    "lightning_bfpp.initial_state",
+    "lightning_bfpp.loss",
+    "lightning_bfpp.predictions",
+    "lightning_bfpp.random_state",
+    "lightning_bfpp.reductions",
+    "lightning_bfpp.topology",
+    "lightning_bfpp.cpu_threads",
+    "lightning_bfpp.weight_passing",
+    "lightning_bfpp.plan.costs",
+    "lightning_bfpp.plan.simulate",
+    "lightning_bfpp.plan.search",
 ]
 
 _SCRIPT = """
