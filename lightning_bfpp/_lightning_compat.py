@@ -234,6 +234,7 @@ __all__ = [
     "should_accumulate",
     "store_precision_plugin",
     "stored_precision_plugin",
+    "summarize_with",
     "unwrap_optimizer",
 ]
 
@@ -254,3 +255,13 @@ def consolidated_checkpoint(folder: Any) -> dict[str, Any]:
     from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
     return _format_checkpoint(load_distributed_checkpoint(folder))
+
+
+def summarize_with(callbacks: Any, summary: Any) -> None:
+    """Make the trainer's model-summary callbacks (``ModelSummary``, ``RichModelSummary``) print ``summary``
+    instead of summarizing the module they are given (their private ``_summary``)."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    for callback in callbacks:
+        if isinstance(callback, ModelSummary):
+            callback._summary = lambda trainer, pl_module: summary

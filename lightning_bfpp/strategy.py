@@ -83,6 +83,7 @@ from lightning_bfpp.sharding import (
     second_data_parallel_group,
     shard_stage,
 )
+from lightning_bfpp.summary import WholeModelSummary
 from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
 from lightning_bfpp.topology import NodeTopology
 from lightning_bfpp.trace import TraceSession
@@ -204,6 +205,7 @@ class BFPPStrategy(ModelParallelStrategy):
         )
         self._recompute = recompute_policy(activation_checkpointing)
         self._compile = compile_options(compile)
+        self.whole_model_summary: WholeModelSummary | None = None  # taken when the layers are split
         # None: the module's own `pipeline_partition` if it has one (the Hugging Face adapter's is "time")
         self._partition_given = partition is not None
         self._layer_times: list[float] | None = None  # partition="time": measured at setup
@@ -418,6 +420,8 @@ class BFPPStrategy(ModelParallelStrategy):
             reduce_group = self._reduction_group()
             # building checks the module on every rank; some checks (layer placement) differ between ranks
             pending = agree(lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline")
+            # Lightning's summary callbacks print the whole model (this rank keeps only its stages' layers)
+            lc.summarize_with(trainer.callbacks, self.whole_model_summary)  # type: ignore[attr-defined]
             # collectives, so after the agreement: every replica takes data-parallel rank 0's initial values (FSDP2
             # does not broadcast them as DDP does, see lightning_bfpp.initial_state), then the stages are sharded
             pending.share()
@@ -517,6 +521,9 @@ class BFPPStrategy(ModelParallelStrategy):
         )
         layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
         owner = [plan.rank_of(s) for s in layer_stage]
+        self.whole_model_summary = WholeModelSummary.of(
+            module, named, layer_stage, [plan.rank_of(s) for s in range(plan.num_stages)]
+        )
         check_shared_modules(named, layer_stage)
         weight_passing = self.config.schedule == "weight_passing"
         warning = batch_statistics_warning(

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 from lightning_bfpp.integrations.huggingface import export_pretrained
+from lightning_bfpp.layers import pipeline_layers
 from tests.distributed.harness import assert_steps_match, launch, run_2x2
 from tests.hf_models import hf_module, hf_reference_run, tiny_config, token_data
 from tests.models import trainer_defaults
@@ -86,7 +87,12 @@ def lora_run(name: str, *, model=None, **kwargs):
 # partition is by measured time, which differs between them and between runs)
 UNIFORM = {"partition": "uniform"}
 LORA_RUNS = [
-    lora_run("lora_bf_full_shard", strategy=UNIFORM, checks=["traffic", "save_at_end"]),
+    lora_run(
+        "lora_bf_full_shard",
+        strategy=UNIFORM,
+        trainer={"enable_model_summary": True},
+        checks=["traffic", "save_at_end"],
+    ),
     lora_run("lora_bf_shard_grad_op", strategy={"sharding": "shard_grad_op"}),
     lora_run("lora_bf_no_shard", strategy={"sharding": "no_shard"}),
     lora_run("lora_depth_first", strategy={"schedule": "depth_first"}),
@@ -181,6 +187,23 @@ def test_a_rank_with_nothing_to_train_runs_its_stages_without_an_optimizer(resul
     assert [s["step"] for s in resumed.steps(0)] == [7]
     for name, value in results[ONE_RANK_FROZEN.name].params.items():
         assert torch.equal(resumed.params[name], value) != ("lora_B" in name or "lora_A" in name), name
+
+
+def test_model_summary_shows_the_whole_model_with_its_trainable_share(results):
+    """Lightning's model summary under bfpp: every pipeline layer (not a rank's part and its placeholders), the
+    whole model's parameter count and the adapters' share of it, each layer's stage and pipeline rank."""
+    module = hf_module(LORA_RUNS[0])
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    layers = [name for name, _ in pipeline_layers(module)]
+    for rank_result in results["lora_bf_full_shard"].ranks:
+        summary = rank_result["holdings"]["model_summary"]
+        assert (summary["total"], summary["trainable"]) == (total, trainable)
+        assert summary["columns"]["Name"] == layers
+        assert "RemoteLayer" not in summary["columns"]["Type"]
+        stages = [int(s) for s in summary["columns"]["Stage"]]
+        assert stages == sorted(stages) and set(stages) == {0, 1, 2, 3}  # 5 layers over 4 stages, in order
+        assert summary["columns"]["Pipeline rank"] == [str(s % 2) for s in stages]  # stage s on rank s mod p
 
 
 def reduced_bytes_per_step(result) -> int:

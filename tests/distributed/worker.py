@@ -334,6 +334,16 @@ class Probe(L.Callback):
         self.holdings["compiled_layers"] = sum(
             getattr(m, "_compiled_call_impl", None) is not None for stage in stage_modules for m in stage.modules()
         )
+        # what Lightning's model summary callbacks print (the whole model's summary under bfpp)
+        from lightning.pytorch.callbacks import ModelSummary
+
+        summaries = [cb._summary(trainer, pl_module) for cb in trainer.callbacks if isinstance(cb, ModelSummary)]
+        if summaries:
+            self.holdings["model_summary"] = {
+                "columns": dict(summaries[0]._get_summary_data()),
+                "total": summaries[0].total_parameters,
+                "trainable": summaries[0].trainable_parameters,
+            }
         self.holdings["runtime_untouched"] = (
             torch_schedules.record_function is ORIGINAL_RUNTIME[0]
             and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
