@@ -12,13 +12,17 @@ device; two runs with the same seed and layout draw identically.
 Generators covered: torch's CPU generator, the current CUDA device's (on GPU), NumPy's global generator and
 Python's ``random``. The process's own states are restored afterwards, so the fork leaves the stream that
 layers (dropout) and the rest of the program draw from untouched.
+
+This module is the package's one home for random state: the seed every rank derives draws from
+(:func:`shared_base_seed`), the per-(step, micro-batch) fork above, and the snapshot weight passing restores
+to recompute a chunk's forward with the same dropout masks (:class:`RandomStateSnapshot`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +31,13 @@ try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with every supported torch/Lightning install
     np = None  # type: ignore[assignment]
+
+
+def shared_base_seed(broadcast: Callable[[int], int]) -> int:
+    """The seed every rank derives its steps' random draws from: global rank 0's torch seed (set by
+    ``seed_everything``), handed to every rank by ``broadcast`` (from rank 0), so that processes seeded
+    differently, or not at all, still agree."""
+    return int(broadcast(torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF))
 
 
 def derive_seed(base_seed: int, key: Sequence[int]) -> int:
@@ -59,3 +70,23 @@ def forked_random_state(seed: int, device: torch.device) -> Iterator[None]:
         if numpy_state is not None:
             np.random.set_state(numpy_state)
         random.setstate(python_state)
+
+
+class RandomStateSnapshot:
+    """The torch generator states at one point (CPU, and the device's on CUDA), to run code again from there:
+    a recomputed forward draws the same dropout masks as the first (as ``torch.utils.checkpoint`` does)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Inside the block the generators start from the snapshot; outside, nothing changed."""
+        devices = [self.device] if self.accelerator is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(self.cpu)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield

@@ -73,6 +73,7 @@ from lightning_bfpp.pipeline import Pipeline, StepResult
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
+from lightning_bfpp.random_state import shared_base_seed
 from lightning_bfpp.reductions import GradientReductions
 from lightning_bfpp.sharding import (
     DATA_PARALLEL,
@@ -416,7 +417,7 @@ class BFPPStrategy(ModelParallelStrategy):
             if self.mesh_shape is None:
                 self._plan_layout(trainer)
             self._resolve_partition(trainer)
-            base_seed = self._base_seed()
+            base_seed = shared_base_seed(lambda seed: self.broadcast(seed, src=0))
             reduce_group = self._reduction_group()
             # building checks the module on every rank; some checks (layer placement) differ between ranks
             pending = agree(lambda: self._build_pipeline(module, base_seed, reduce_group), "setting up the pipeline")
@@ -469,11 +470,6 @@ class BFPPStrategy(ModelParallelStrategy):
             if holds_trained_parameters(module) or not is_empty_parameter_list(error):
                 raise
             self.optimizers, self.lr_scheduler_configs = [NothingToTrain()], []
-
-    def _base_seed(self) -> int:
-        """The seed every rank derives its steps' random draws from: global rank 0's torch seed (set by
-        ``seed_everything``), so that processes seeded differently, or not at all, still agree."""
-        return int(self.broadcast(torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF, src=0))
 
     def _overlap_mode(self) -> str | None:
         """How gradient reductions overlap the backward here, or None where there is nothing to overlap."""

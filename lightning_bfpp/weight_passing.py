@@ -57,6 +57,7 @@ from torch import nn
 
 from lightning_bfpp._compat import tree_flatten
 from lightning_bfpp.initial_state import local_state, pack, unpack
+from lightning_bfpp.random_state import RandomStateSnapshot
 from lightning_bfpp.schedule import Action, Kind
 from lightning_bfpp.topology import NodeTopology
 
@@ -312,25 +313,6 @@ def _as_args(output: Any) -> tuple[Any, ...]:
     return output if isinstance(output, tuple) else (output,)
 
 
-class _RandomState:
-    """The random state a chunk's forward started from, restored for its recomputation (as
-    ``torch.utils.checkpoint`` does), so dropout draws the same masks twice."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    @contextmanager
-    def restored(self) -> Iterator[None]:
-        devices = [self.device] if self.accelerator is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.set_rng_state(self.cpu)
-            if self.accelerator is not None:
-                torch.cuda.set_rng_state(self.accelerator, self.device)
-            yield
-
-
 class WeightPassingRunner:
     """Runs one rank's lowered weight-passing action list over the caller's micro-batches.
 
@@ -419,7 +401,7 @@ class WeightPassingRunner:
                             # a borrower's buffers are restored after the backward: its graph may hold them
                             saved[(c, mb)] = (inputs, self.loss_fn(output, target_mbs[mb]), before)
                         elif self.backward:
-                            state = _RandomState(self.device)
+                            state = RandomStateSnapshot(self.device)
                             with torch.no_grad():
                                 outputs[(c, mb)] = self.chunks[c](*args, **kwargs)
                             saved[(c, mb)] = (args, kwargs, state, before)

@@ -50,3 +50,26 @@ def test_seeds_are_stable_and_distinct_per_key():
     assert len({derive_seed(42, k) for k in keys}) == len(keys)
     assert derive_seed(42, (0,)) != derive_seed(43, (0,))
     assert 0 <= derive_seed(2**62, (2**40,)) < 2**63
+
+
+def test_a_snapshot_replays_the_same_draws_and_leaves_the_stream_alone():
+    """Weight passing recomputes a chunk's forward from the snapshot taken before it: the same dropout masks."""
+    from lightning_bfpp.random_state import RandomStateSnapshot
+
+    torch.manual_seed(5)
+    snapshot = RandomStateSnapshot(torch.device("cpu"))
+    first = torch.rand(4)
+    after = torch.get_rng_state()
+    with snapshot.restored():
+        again = torch.rand(4)
+    assert torch.equal(first, again)
+    assert torch.equal(torch.get_rng_state(), after)  # the process's stream goes on from where it was
+
+
+def test_the_shared_base_seed_is_rank_zeros_torch_seed():
+    from lightning_bfpp.random_state import shared_base_seed
+
+    torch.manual_seed(1234)
+    sent = []
+    assert shared_base_seed(lambda seed: sent.append(seed) or 99) == 99  # what rank 0 broadcast
+    assert sent == [1234]
