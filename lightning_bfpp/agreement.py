@@ -7,11 +7,18 @@ meet in one agreement after it: every rank says whether it failed, and if one di
 :class:`AgreedError` with the failing rank's message. The failing rank's own exception is chained to it.
 Agreed errors are raised everywhere at the same point, so the processes stay in step (and the failure
 watchdog, :mod:`lightning_bfpp.failures`, leaves them alone).
+
+The ways to meet, all here: :func:`agree` runs a check on every rank and compares the outcomes (setup);
+:func:`raise_on_every_rank` / :func:`gather_outcomes` share an error some ranks already have, with a payload
+(checkpoints); :func:`raise_agreed` / :func:`agree_on_failure` turn a step's failure code, exchanged with the
+step's own tensors, into the same error on every rank (the pipeline's step and its pre-schedule check).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -66,6 +73,60 @@ def agree(fn: Callable[[], T], what: str, group: dist.ProcessGroup | None = None
     if failures:
         raise AgreedError(failure_message(what, failures, len(gathered))) from error
     return result
+
+
+# -- an error some ranks already have, shared with a payload ----------------------------------------------------
+
+Shared = tuple[str | None, str] | None  # (context, text) of a rank's error, None where it did not fail
+
+
+def as_shared(error: BaseException | None, context: str) -> Shared:
+    """A rank's error as it travels to the others: (context, text); an :class:`AgreedError`'s text is a whole
+    message already (no context added)."""
+    if error is None:
+        return None
+    if isinstance(error, AgreedError):
+        return None, str(error)
+    return context, describe(error)
+
+
+def gather_outcomes(error: BaseException | None, context: str, payload: Any = None) -> list[tuple[Shared, Any]]:
+    """A collective: every rank's (shared error, ``payload``), in global rank order. Costs one
+    ``all_gather_object``; for once-per-call points (checkpoints), not per step. One process: its own."""
+    entry = (as_shared(error, context), payload)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [entry]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entry)
+    return gathered
+
+
+def raise_shared(shared: list[Shared], error: BaseException | None, exception: type[AgreedError] = AgreedError) -> None:
+    """Raise the same ``exception`` on every rank from every rank's :func:`as_shared` entry, if any failed: the
+    first failing rank's context and error, the other failing ranks named."""
+    failed = [(rank, entry) for rank, entry in enumerate(shared) if entry is not None]
+    if not failed:
+        return
+    first_rank, (context, text) = failed[0]
+    prefix = f"{context}: " if context else ""
+    if len(failed) == len(shared) and all(entry == failed[0][1] for _, entry in failed):
+        message = prefix + text  # the same on every rank: nothing rank-specific to say
+    else:
+        others = [rank for rank, _ in failed[1:]]
+        also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+        message = f"{prefix}rank {first_rank} failed{also}: {text}"
+    raise exception(message) from error
+
+
+def raise_on_every_rank(error: BaseException | None, context: str, exception: type[AgreedError] = AgreedError) -> None:
+    """A collective: if any rank passes an error, every rank raises one ``exception`` naming that rank.
+
+    An error raised on some ranks only leaves the others waiting in their next collective until the process
+    group times out; sharing each rank's outcome first makes every rank stop with the same message (the
+    failing rank's ``context`` and error). Without a process group (one process) it raises the error wrapped
+    the same way.
+    """
+    raise_shared([entry for entry, _ in gather_outcomes(error, context)], error, exception)
 
 
 def failure_message(what: str, failures: list[tuple[str, str]], world_size: int | None = None) -> str:
@@ -151,3 +212,55 @@ def agree_on_failure(what: str, failure: StepFailure, device: torch.device) -> N
     code = int(flag.item())
     if code:
         raise_agreed(what, code, failure, None, device)
+
+
+def agree_on_shape(
+    step_name: str,
+    key: Any,
+    failure: StepFailure,
+    *,
+    group: dist.ProcessGroup | None,
+    size: int,
+    pipelines: list[list[int]],
+    world_size: int,
+    device: torch.device,
+    timeout: float | None,
+    rank_label: str,
+    shape: str,
+) -> None:
+    """The exchange before a schedule is built for a new batch shape (see ``Pipeline._agree_before_schedule``).
+
+    Every rank of ``group`` (``size`` ranks) sends its failure code and a digest of ``key`` (the batch's shape
+    signature; ``shape`` says it in words, "<shape> in <m>"). A failure anywhere is raised everywhere
+    (:func:`raise_agreed`); ranks of one pipeline (rows ``pipelines`` of the exchange) with different shapes are
+    refused, as :class:`PipelineAgreedError` over a pipeline's group alone. Ranks that do not come within
+    ``timeout`` seconds (a rank whose batch shape differs from its pipeline's, the others running a seen shape)
+    make this rank raise.
+    """
+    if size == 1:
+        if failure.error is not None:
+            raise failure.error
+        return
+    digest = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    flags = torch.tensor([failure.code, digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(flags) for _ in range(size)]
+    work = dist.all_gather(gathered, flags, group=group, async_op=True)
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"BFPPStrategy: {rank_label} waited {timeout:.0f} s for the other ranks to check a new batch shape"
+            f" ({shape} micro-batches) before `{step_name}`, while they ran a step with a shape they had seen"
+            " before. The ranks of a pipeline must load the same batches: give them the same data order and the"
+            " same collate function."
+        ) from (failure.error or error)
+    rows = torch.stack(gathered).cpu()
+    code = int(rows[:, 0].max())
+    if code:
+        raise_agreed(f"`{step_name}`", code, failure, group, device)
+    if any(len({int(rows[r, 1]) for r in ranks}) > 1 for ranks in pipelines):
+        error_type = AgreedError if size == world_size else PipelineAgreedError
+        raise error_type(different_batch_shapes(step_name, f"{rank_label} got {shape}"))

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_bfpp import agreement
 from lightning_bfpp.agreement import AgreedError
 
 MODEL_KEY = "model"
@@ -157,48 +158,10 @@ def with_tied_names(state_dict: dict[str, Any], aliases: Mapping[str, str]) -> d
 # -- every rank raises together ---------------------------------------------------------------------
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def _as_shared(error: BaseException | None, context: str) -> tuple[str | None, str] | None:
-    """An error as (context, text) for the other ranks; a CheckpointError's text is a whole message already."""
-    if error is None:
-        return None
-    if isinstance(error, CheckpointError):
-        return None, str(error)
-    return context, f"{type(error).__name__}: {error}"
-
-
-def _raise_shared(shared: Sequence[tuple[str | None, str] | None], error: BaseException | None) -> None:
-    """Raise the same CheckpointError on every rank from every rank's ``_as_shared`` entry, if any failed."""
-    failed = [(rank, entry) for rank, entry in enumerate(shared) if entry is not None]
-    if not failed:
-        return
-    first_rank, (context, text) = failed[0]
-    prefix = f"{context}: " if context else ""
-    if len(failed) == len(shared) and all(entry == failed[0][1] for _, entry in failed):
-        message = prefix + text  # the same on every rank: nothing rank-specific to say
-    else:
-        others = [rank for rank, _ in failed[1:]]
-        also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
-        message = f"{prefix}rank {first_rank} failed{also}: {text}"
-    raise CheckpointError(message) from error
-
-
 def raise_on_every_rank(error: BaseException | None, context: str) -> None:
-    """A collective: if any rank passes an error, every rank raises one CheckpointError naming that rank.
-
-    An error raised on some ranks only leaves the others waiting in their next collective until the process
-    group times out; sharing each rank's outcome first makes every rank stop with the same message (the
-    failing rank's ``context`` and error). Without a process group (one process) it raises the error wrapped
-    the same way.
-    """
-    _raise_shared(_all_gather(_as_shared(error, context)), error)
+    """A collective: if any rank passes an error, every rank raises one :class:`CheckpointError` naming that
+    rank (:func:`lightning_bfpp.agreement.raise_on_every_rank`)."""
+    agreement.raise_on_every_rank(error, context, CheckpointError)
 
 
 # -- saving ------------------------------------------------------------------------------------------
@@ -447,8 +410,8 @@ def load(
         path, warning = resolve_path(path)
     except CheckpointError as failure:
         error = failure
-    gathered = _all_gather((_as_shared(error, context), local_shapes(module, aliases)))
-    _raise_shared([entry for entry, _ in gathered], error)
+    gathered = agreement.gather_outcomes(error, context, local_shapes(module, aliases))
+    agreement.raise_shared([entry for entry, _ in gathered], error, CheckpointError)
     expected: Shapes = {name: shape for _, shapes in gathered for name, shape in shapes.items()}
     loaded: dict[str, Any] = {}
     try:

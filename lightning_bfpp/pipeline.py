@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,19 +27,16 @@ from torchmetrics import Metric
 
 from lightning_bfpp._compat import PipeliningMetadataError, tree_flatten
 from lightning_bfpp.agreement import (
-    AgreedError,
-    PipelineAgreedError,
     StepFailure,
-    different_batch_shapes,
-    raise_agreed,
+    agree_on_shape,
     rank_name,
 )
+from lightning_bfpp.executors import BuildRequest, Executor
 from lightning_bfpp.loss import BatchGradients, item_sum
 from lightning_bfpp.microbatch import batch_digest, batch_signature, batch_size, microbatch_count, split_microbatches
 from lightning_bfpp.partition import StagePlan
 from lightning_bfpp.random_state import derive_seed, forked_random_state
-from lightning_bfpp.reductions import GradientReductions
-from lightning_bfpp.runtime import PlannedSchedule, build_stages
+from lightning_bfpp.runtime import PlannedSchedule
 from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
 from lightning_bfpp.tied import TiedParameters
@@ -53,7 +49,7 @@ from lightning_bfpp.user_step import (
     model_returns,
     step_loss,
 )
-from lightning_bfpp.weight_passing import ChunkTransfers, WeightPassingRunner
+from lightning_bfpp.weight_passing import WeightPassingRunner
 
 # schedules kept per step kind and batch shape: each holds its stages' receive buffers for every micro-batch, so
 # batches padded to their own length should come in a few lengths (e.g. `pad_to_multiple_of=8` in the collator)
@@ -120,7 +116,7 @@ class Pipeline:
         microbatch_group_size: int | None = None,
         prefetch_stages: int = 1,
         base_seed: int = 0,
-        reductions: GradientReductions | ChunkTransfers | None = None,
+        executor: Executor,
         agreement_timeout: float | None = None,
         tied: TiedParameters | None = None,
     ) -> None:
@@ -156,8 +152,8 @@ class Pipeline:
         self.batch_gradients = BatchGradients([p for p in module.parameters() if p.requires_grad])
         # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.random_state)
         self.base_seed = base_seed
-        # each stage's gradient reduction overlapping the rest of the backward; None: torch's, blocking
-        self.reductions = reductions
+        # how this rank runs a step's actions: its stages on torch's runtime, or weight passing (executors.py)
+        self.executor = executor
         # copies of parameters tied across stages, whose gradients are summed after a reducing backward
         self.tied = tied
         # how long the check before a new schedule waits for every rank (None: the process group's timeout)
@@ -208,34 +204,16 @@ class Pipeline:
         else:
             if len(self._schedules) >= _MAX_CACHED_SCHEDULES:
                 self._schedules.popitem(last=False)
-            if isinstance(self.reductions, ChunkTransfers):  # weight passing: no pipeline, our own executor
-                lowered = self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads)
-                runner = WeightPassingRunner(
+            schedule = self.executor.build(
+                BuildRequest(
                     self.stage_modules,
-                    lowered[0],
+                    self.local_stages,
+                    self.plan.num_stages,
+                    self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads),
                     num_microbatches,
                     self._loss_fn,
-                    self.reductions,
-                    backward=train,
-                    device=self.device,
+                    train,
                 )
-                self._schedules[key] = runner
-                return runner
-            stages = build_stages(
-                self.stage_modules,
-                self.local_stages,
-                self.plan.num_stages,
-                self.device,
-                self.mesh[PIPELINE_PARALLEL].get_group(),
-            )
-            schedule = PlannedSchedule(
-                stages,
-                self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads),
-                num_microbatches,
-                self._loss_fn,
-                pipeline_parallel_size=self.plan.pipeline_parallel_size,
-                backward=train,
-                reductions=self.reductions,
             )
             self._schedules[key] = schedule
         return schedule
@@ -343,10 +321,10 @@ class Pipeline:
             raise RuntimeError(shape_varies_message(error, step_name)) from error
         finally:
             self._active = None
-            if self.reductions is not None and train:
+            if train:
                 # the gradients are complete only now, before clipping and the optimizer step
                 start = tracer.now() if tracer is not None else 0.0
-                self.reductions.finish()
+                self.executor.finish()
                 if tracer is not None:  # what of the overlapped reductions was still left to wait for
                     tracer.add("reduce", start, tracer.now())
         if train and reduce_grads and self.tied:
@@ -398,10 +376,7 @@ class Pipeline:
         """
         if self.data_parallel_size == 1 or self.prefetch_stages == 0:
             return
-        if isinstance(self.reductions, ChunkTransfers):
-            self.reductions.fetch(0)  # weight passing's first chunk, the first visit of every schedule
-        elif self.sharding != "no_shard":
-            self.stage_modules[0].unshard(async_op=True)
+        self.executor.prefetch_first(self.stage_modules, self.sharding)
 
     @contextmanager
     def user_code(self, seed: int) -> Iterator[None]:
@@ -485,39 +460,20 @@ class Pipeline:
         rank raises, and the failure watchdog stops the others.
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
-        group = None if everywhere else self.pipeline_group
-        size = world if everywhere else len(self.pipeline_ranks)
-        if size == 1:
-            if failure.error is not None:
-                raise failure.error
-            return
-        digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
-        flags = torch.tensor([failure.code, digest], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(flags) for _ in range(size)]
-        work = dist.all_gather(gathered, flags, group=group, async_op=True)
-        shape = signature[1] if signature is not None else None
-        try:
-            if self.agreement_timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=timedelta(seconds=self.agreement_timeout))
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"BFPPStrategy: {self.rank_label} waited {self.agreement_timeout:.0f} s for the other ranks to"
-                f" check a new batch shape ({shape} in {num_microbatches} micro-batches) before `{step_name}`,"
-                " while they ran a step with a shape they had seen before. The ranks of a pipeline must load the"
-                " same batches: give them the same data order and the same collate function."
-            ) from (failure.error or error)
-        rows = torch.stack(gathered).cpu()
-        error_type = AgreedError if size == world else PipelineAgreedError
-        code = int(rows[:, 0].max())
-        if code:
-            raise_agreed(f"`{step_name}`", code, failure, group, self.device)
-        # row i is global rank i (everywhere) or the pipeline's i-th rank
-        pipelines = self.pipelines if everywhere else [list(range(size))]
-        if any(len({int(rows[r, 1]) for r in ranks}) > 1 for ranks in pipelines):
-            here = f"{self.rank_label} got {shape} in {num_microbatches}"
-            raise error_type(different_batch_shapes(step_name, here))
+        agree_on_shape(
+            step_name,
+            (signature, num_microbatches),
+            failure,
+            group=None if everywhere else self.pipeline_group,
+            size=world if everywhere else len(self.pipeline_ranks),
+            # row i of the exchange is global rank i (everywhere) or the pipeline's i-th rank
+            pipelines=self.pipelines if everywhere else [list(range(len(self.pipeline_ranks)))],
+            world_size=world,
+            device=self.device,
+            timeout=self.agreement_timeout,
+            rank_label=self.rank_label,
+            shape=f"{signature[1] if signature is not None else None} in {num_microbatches}",
+        )
 
 
 def shape_varies_message(error: BaseException, step_name: str) -> str:

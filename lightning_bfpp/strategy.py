@@ -42,6 +42,7 @@ from lightning_bfpp import checkpoint as checkpoint_io
 from lightning_bfpp.agreement import AgreedError, PipelineAgreedError, agree, agree_on_failure
 from lightning_bfpp.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.cpu_threads import available_cores, share_cores
+from lightning_bfpp.executors import StageExecutor, WeightPassingExecutor
 from lightning_bfpp.failures import FailureWatchdog
 from lightning_bfpp.frozen import NothingToTrain, holds_trained_parameters, is_empty_parameter_list
 from lightning_bfpp.initial_state import Broadcast, PendingBuild, buffers_outside, local_state
@@ -89,7 +90,7 @@ from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties,
 from lightning_bfpp.topology import NodeTopology
 from lightning_bfpp.trace import TraceSession
 from lightning_bfpp.user_step import collective_refusal
-from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode, topology_groups
+from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -429,9 +430,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self.pipeline = agree(pending.finish, "sharding the pipeline's stages")
             # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
             self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
-            if isinstance(self.pipeline.reductions, ChunkTransfers):
-                topology = self.pipeline.reductions.topology
-                self.pipeline.reductions.connect(topology_groups(topology), topology_groups(topology))
+            self.pipeline.executor.connect()  # collectives: after the agreement, in one order on every rank
             self.tied.broadcast_from_owner()
         elif self.pipeline.module is not module:
             raise RuntimeError(
@@ -581,7 +580,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 microbatch_group_size=layout.microbatch_group_size,
                 prefetch_stages=self.config.prefetch_stages,
                 base_seed=base_seed,
-                reductions=reductions,
+                executor=StageExecutor(self.device_mesh, self.root_device, plan.pipeline_parallel_size, reductions),
                 # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
                 agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
                 tied=self.tied,
@@ -680,7 +679,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 num_microbatches=layout.num_microbatches,
                 prefetch_stages=self.config.prefetch_stages,
                 base_seed=base_seed,
-                reductions=ChunkTransfers(chunks, topology, me),
+                executor=WeightPassingExecutor(ChunkTransfers(chunks, topology, me), device),
                 agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
             )
 
@@ -908,8 +907,8 @@ class BFPPStrategy(ModelParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
-        if self.pipeline is not None and self.pipeline.reductions is not None:
-            self.pipeline.reductions.close()
+        if self.pipeline is not None:
+            self.pipeline.executor.close()
         super().teardown()
 
     # -- collectives --------------------------------------------------------------------------------

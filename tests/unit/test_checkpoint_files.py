@@ -9,10 +9,10 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 from lightning_bfpp import checkpoint as checkpoint_io
+from lightning_bfpp.agreement import raise_shared
 from lightning_bfpp.checkpoint import (
     METADATA_FILENAME,
     CheckpointError,
-    _raise_shared,
     _swap_in,
     check_full,
     check_sharded,
@@ -91,14 +91,14 @@ def test_every_rank_builds_the_same_message_from_what_the_ranks_shared():
     # what all_gather_object hands every rank: the failing rank's context and error, None for the others
     only_rank_0 = [("writing meta.pt", "OSError: disk full"), None, None]
     with pytest.raises(CheckpointError, match=r"^writing meta.pt: rank 0 failed: OSError: disk full$"):
-        _raise_shared(only_rank_0, None)
+        raise_shared(only_rank_0, None, CheckpointError)
     two = [None, ("reading", "OSError: a"), ("reading", "OSError: b")]
     with pytest.raises(CheckpointError, match=r"^reading: rank 1 failed \(and on rank 2\): OSError: a$"):
-        _raise_shared(two, None)
+        raise_shared(two, None, CheckpointError)
     everywhere = [(None, "BFPPStrategy cannot load x: it lacks y")] * 3  # a check every rank made alike
     with pytest.raises(CheckpointError, match=r"^BFPPStrategy cannot load x: it lacks y$"):
-        _raise_shared(everywhere, None)
-    _raise_shared([None, None], None)
+        raise_shared(everywhere, None, CheckpointError)
+    raise_shared([None, None], None, CheckpointError)
 
 
 def test_a_single_file_from_another_model_is_refused_with_names_and_shapes(tmp_path):

@@ -41,6 +41,7 @@ ENGINE = [
     "lightning_bfpp.topology",
     "lightning_bfpp.cpu_threads",
     "lightning_bfpp.weight_passing",
+    "lightning_bfpp.executors",
     "lightning_bfpp.plan.costs",
     "lightning_bfpp.plan.simulate",
     "lightning_bfpp.plan.search",
