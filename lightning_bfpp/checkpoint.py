@@ -392,6 +392,7 @@ def load(
     strict: bool,
     weights_only: bool,
     full_parameter_names: Sequence[str],
+    trained_parameter_names: Sequence[str] | None = None,
     aliases: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """Load a checkpoint into this rank's stages and optimizers; return the rest of it and a warning, if any.
@@ -428,7 +429,14 @@ def load(
     try:
         load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
         for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
-            load_full_optimizer(module, optimizer, saved, full_parameter_names, aliases=aliases)
+            load_full_optimizer(
+                module,
+                optimizer,
+                saved,
+                full_parameter_names,
+                trained_parameter_names=trained_parameter_names,
+                aliases=aliases,
+            )
     except Exception as failure:  # shared with every rank below
         error = failure
     raise_on_every_rank(error, context)
@@ -593,14 +601,16 @@ def load_full_optimizer(
     saved: Mapping[str, Any],
     full_parameter_names: Sequence[str],
     *,
+    trained_parameter_names: Sequence[str] | None = None,
     aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Load a single-device optimizer state (``optimizer.state_dict()`` of the whole model) into this rank.
 
     torch keys such a state by parameter position; positions map to names through the whole model's
-    parameter order, which is unambiguous for an optimizer with one parameter group over
-    ``self.parameters()`` (the common case). Several groups are refused rather than guessed. A tied
-    parameter's copies all take the state stored for it, under its canonical name.
+    parameter order, which is unambiguous for an optimizer with one parameter group over ``self.parameters()``
+    (the common case) or over the parameters that train (``trained_parameter_names``: LoRA's and frozen layers'
+    usual optimizer). Several groups are refused rather than guessed. A tied parameter's copies all take the
+    state stored for it, under its canonical name.
     """
     aliases = aliases or {}
     if not optimizer.param_groups:  # nothing that trains on this rank
@@ -614,12 +624,18 @@ def load_full_optimizer(
             " saved by BFPPStrategy."
         )
     positions = groups[0]["params"]
-    if len(positions) != len(full_parameter_names):
+    # an optimizer over every parameter, or over those that train (`AdamW(p for p in ... if p.requires_grad)`,
+    # LoRA's and frozen layers' usual optimizer), both in the module's parameter order
+    names = full_parameter_names
+    if len(positions) != len(names) and trained_parameter_names is not None:
+        names = trained_parameter_names
+    if len(positions) != len(names):
+        trained = "" if trained_parameter_names is None else f" ({len(trained_parameter_names)} that train)"
         raise RuntimeError(
             f"The checkpoint's optimizer covers {len(positions)} parameters, the model has"
-            f" {len(full_parameter_names)}; it was saved for a different model."
+            f" {len(full_parameter_names)}{trained}; it was saved for a different model."
         )
-    by_name = {name: saved["state"].get(pos) for name, pos in zip(full_parameter_names, positions, strict=True)}
+    by_name = {name: saved["state"].get(pos) for name, pos in zip(names, positions, strict=True)}
     by_name.update({alias: by_name.get(canonical) for alias, canonical in aliases.items()})
     local_names = {id(p): n for n, p in module.named_parameters()}
     names = [local_names[id(p)] for p in optimizer.param_groups[0]["params"]]

@@ -242,6 +242,7 @@ class BFPPStrategy(ModelParallelStrategy):
         # whether this process received SIGTERM (shared with the others by the step's collective)
         self._sigterm_noted: Callable[[], bool] = lambda: False
         self._full_parameter_names: list[str] = []
+        self._trained_parameter_names: list[str] = []
         # copies of parameters tied across stages (see lightning_bfpp.tied)
         self.tied = TiedParameters([], {})
         # the mesh the stages shard over: mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
@@ -509,6 +510,7 @@ class BFPPStrategy(ModelParallelStrategy):
         check_no_collective_layers(named)
         # the whole model's parameter order, to read single-device optimizer states (see checkpoint.py)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
+        self._trained_parameter_names = [name for name, p in module.named_parameters() if p.requires_grad]
         weights = layer_weights(named)
         self.layout = layout = self.config.resolve_layout(self.mesh_shape, weights, self._layer_times)
         self.stage_plan = plan = StagePlan(
@@ -1015,6 +1017,7 @@ class BFPPStrategy(ModelParallelStrategy):
             strict=module.strict_loading,
             weights_only=bool(weights_only),
             full_parameter_names=self._full_parameter_names,
+            trained_parameter_names=self._trained_parameter_names,
             aliases=self.tied.aliases,
         )
         loaded.pop(checkpoint_io.TIED_KEY, None)

@@ -11,7 +11,8 @@ MLP's down projection (rank 4) trains on padded batches on 4 CPU processes:
   (each rank holds the same share of them), and it is never reduced: the bytes FSDP2 reduce-scatters per step
   are the adapters' gradients alone, against the whole model's for full fine-tuning of the same model in the
   same launch. The parameter and optimizer memory per rank of both is printed;
-- a run stopped after 4 steps and resumed from its checkpoint continues as one device resumed from its own;
+- a run stopped after 4 steps and resumed from its checkpoint continues as one device resumed from its own, and
+  so does a run resumed from one device's checkpoint (its optimizer covers the trained parameters only);
 - the trained adapters export to ``peft``'s adapter folder (``PeftModel.from_pretrained`` on the base model
   gives the one-device model's logits) and, merged, to a ``from_pretrained`` folder;
 - a pipeline rank whose stages hold only frozen weights (adapters on other stages) trains with no optimizer
@@ -25,6 +26,8 @@ All runs share one launch.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +116,9 @@ ONE_RANK_FROZEN = run(
 FULL = run("full_fine_tuning", strategy=UNIFORM, checks=["traffic"])
 HALF = lora_run("lora_half", trainer={"max_steps": 4}, checks=["save_at_end"])
 RESUMED = lora_run("lora_resumed", resume_from="lora_half/end.ckpt")
+# a one-device LoRA checkpoint (4 steps with `strategy="auto"`, written by the fixture) resumed under bfpp
+ONE_DEVICE_CHECKPOINT = Path(tempfile.mkdtemp(prefix="bfpp-lora-one-device-")) / "half.ckpt"
+FROM_ONE_DEVICE = lora_run("lora_from_one_device_checkpoint", resume_from=str(ONE_DEVICE_CHECKPOINT))
 # the embedding layer and the first block's up projection frozen by hand
 FREEZE = ["embed", "blocks.0.layer.mlp.up_proj.weight"]
 FROZEN_RUNS = [
@@ -128,12 +134,34 @@ ONE_RANK_FROZEN_RESUMED = dataclasses.replace(
     checks=[],
     resume_from="lora_one_rank_all_frozen/end.ckpt",
 )
-RUNS = [*LORA_RUNS, ONE_RANK_FROZEN, ONE_RANK_FROZEN_RESUMED, FULL, HALF, RESUMED, *FROZEN_RUNS]
+RUNS = [*LORA_RUNS, ONE_RANK_FROZEN, ONE_RANK_FROZEN_RESUMED, FULL, HALF, RESUMED, FROM_ONE_DEVICE, *FROZEN_RUNS]
+
+
+def one_device_fit(steps: int, *, resume: Path | None = None, save: Path | None = None):
+    """``HALF``'s module on one device with ``strategy="auto"`` for ``steps`` steps (resumed from ``resume``, saved
+    to ``save``): its losses per step and its weights."""
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    data = token_data(HALF)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=HALF.local_batch_size * HALF.data_parallel_size, sampler=sampler)
+    model = hf_module(HALF)
+    options = {**trainer_defaults(HALF), "max_steps": steps}
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[Losses()], **options)
+    trainer.fit(model, loader, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lora")
+    one_device_fit(4, save=ONE_DEVICE_CHECKPOINT)  # what FROM_ONE_DEVICE resumes
     return workdir, launch(RUNS, 4, workdir, timeout=840)
 
 
@@ -248,36 +276,16 @@ def test_only_adapters_have_gradient_reductions_and_optimizer_state(results):
         assert lora_rank["optimizer"] < 0.2 * full_rank["optimizer"]
 
 
-def one_device_resumed(tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One device: 4 steps, ``save_checkpoint``, then resumed to 6 steps (its losses after resuming, its weights).
-
-    Not the uninterrupted run's: a checkpoint written after ``fit`` stopped by ``max_steps`` resumes with
-    Lightning's own data order (a plain ``DataLoader`` has no place to restore), on one device as here."""
-    losses: list[float] = []
-
-    class Losses(L.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    data = token_data(HALF)
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=HALF.local_batch_size * HALF.data_parallel_size, sampler=sampler)
-    model = None
-    for steps, ckpt in ((4, None), (6, tmp_path / "half.ckpt")):
-        model = hf_module(HALF)
-        options = {**trainer_defaults(HALF), "max_steps": steps}
-        trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[Losses()], **options)
-        trainer.fit(model, loader, ckpt_path=ckpt)
-        if ckpt is None:
-            trainer.save_checkpoint(tmp_path / "half.ckpt")
-    return losses[4:], {k: v.detach() for k, v in model.named_parameters()}
-
-
-def test_resumed_run_continues_as_one_device_resumed(results, tmp_path):
+@pytest.mark.parametrize("name", ["lora_resumed", "lora_from_one_device_checkpoint"])
+def test_resumed_run_continues_as_one_device_resumed(name, results, launched):
     """The checkpoint (adapters, frozen base, the adapters' optimizer state) resumes the pipelined run exactly as
-    one device resumes from its own."""
-    losses, params = one_device_resumed(tmp_path)
-    resumed = results["lora_resumed"]
+    one device resumes from its own; so does a one-device checkpoint, whose optimizer (over the trained
+    parameters only) is mapped to them by position.
+
+    Not the uninterrupted run: a checkpoint written after ``fit`` stopped by ``max_steps`` resumes with
+    Lightning's own data order (a plain ``DataLoader`` has no place to restore), on one device as here."""
+    losses, params = one_device_fit(6, resume=ONE_DEVICE_CHECKPOINT)
+    resumed = results[name]
     for rank in range(4):
         steps = resumed.steps(rank)
         assert [s["step"] for s in steps] == [5, 6]

@@ -138,3 +138,27 @@ def test_an_incomplete_folder_is_refused_before_reading_it(tmp_path):
     with pytest.raises(CheckpointError, match=r"not a torch\.distributed\.checkpoint folder"):
         check_sharded(path, expected, strict=True)
     assert checkpoint_io.LOADER_STATES_KEY == "bfpp_loader_states"
+
+
+def test_a_one_device_optimizer_over_the_trained_parameters_maps_to_their_names():
+    """LoRA's and frozen layers' usual optimizer covers the parameters that train: its positions are theirs."""
+    from lightning_bfpp.checkpoint import load_full_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model[0].weight.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    saved_optimizer = torch.optim.AdamW(trained, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    saved_optimizer.step()
+    saved = saved_optimizer.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    trained_names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    model.zero_grad(set_to_none=True)  # as at the start of a resumed fit
+    fresh = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    load_full_optimizer(model, fresh, saved, names, trained_parameter_names=trained_names)
+    for p, q in zip(trained, [p for p in model.parameters() if p.requires_grad], strict=True):
+        assert torch.equal(fresh.state[q]["exp_avg"], saved_optimizer.state[p]["exp_avg"])
+    with pytest.raises(RuntimeError, match=r"covers 3 parameters, the model has 4 \(2 that train\)"):
+        load_full_optimizer(model, fresh, saved, names, trained_parameter_names=trained_names[:2])
