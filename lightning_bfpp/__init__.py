@@ -3,15 +3,33 @@
 ``import lightning_bfpp`` registers the strategy name ``"bfpp"`` with Lightning (Lightning discovers
 strategies only through its registry, not through package entry points), so afterwards
 ``Trainer(strategy="bfpp")`` works as well as ``Trainer(strategy=BFPPStrategy(...))``.
+
+The engine (``lightning_bfpp.pipeline``, ``.executors``, ``.sharding``, ``.schedule``, …) imports no Lightning:
+without Lightning installed the package imports without the strategy, and a plain torch loop can drive the
+engine (see ``tests/distributed/plain_loop.py``).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import Any
 
 from lightning_bfpp.loss import mean_over_items
-from lightning_bfpp.strategy import BFPPStrategy
 
 __version__ = "0.1.0"
 
-BFPPStrategy.register_strategies(StrategyRegistry)
+try:
+    from lightning.pytorch.strategies import StrategyRegistry
+except ImportError:  # the engine alone
+    StrategyRegistry = None
+
+if StrategyRegistry is not None:
+    from lightning_bfpp.strategy import BFPPStrategy
+
+    BFPPStrategy.register_strategies(StrategyRegistry)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BFPPStrategy":
+        raise ImportError("`lightning_bfpp.BFPPStrategy` needs Lightning (`pip install lightning`).")
+    raise AttributeError(f"module 'lightning_bfpp' has no attribute {name!r}")
+
 
 __all__ = ["BFPPStrategy", "__version__", "mean_over_items"]

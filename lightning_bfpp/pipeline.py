@@ -1,8 +1,10 @@
-"""One pipelined step of a LightningModule: micro-batches in, the user's step out, on the right ranks.
+"""One pipelined step: micro-batches in, the user's step out, on the right ranks.
 
-:class:`Pipeline` owns this rank's stage modules and the torch schedules built over them. Per step it
-splits the batch, gets the first stage's input from the user's step (:mod:`lightning_bfpp.user_step`), runs
-the schedule, and on the last stage calls the user's step with ``self(...)`` returning the pipeline output.
+:class:`Pipeline` owns this rank's stage modules and the schedules built over them. Per step it splits the
+batch, gets the first stage's input from the user's step, runs the schedule through its executor
+(:mod:`lightning_bfpp.executors`), and on the last stage hands each micro-batch's output to the user's step.
+The user's step comes as :class:`StepCode` callbacks (a LightningModule's step methods:
+:class:`lightning_bfpp.user_step.LightningStep`), so this module imports no Lightning.
 Training and evaluation use separate schedule objects (evaluating on the training schedule would reduce
 and rescale gradients), each built once per batch shape: torch's stages fix their tensor shapes on first
 use, so a new shape (typically the smaller last batch) gets stages of its own.
@@ -13,17 +15,15 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torchmetrics import Metric
 
 from lightning_bfpp._compat import PipeliningMetadataError, tree_flatten
 from lightning_bfpp.agreement import (
@@ -41,19 +41,31 @@ from lightning_bfpp.schedule import Schedule, breadth_first, forward_only, gener
 from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
 from lightning_bfpp.tied import TiedParameters
 from lightning_bfpp.trace import StepTracer
-from lightning_bfpp.user_step import (
-    LogRecorder,
-    capture_model_input,
-    check_model_called,
-    metrics_refuse_sync,
-    model_returns,
-    step_loss,
-)
 from lightning_bfpp.weight_passing import WeightPassingRunner
 
 # schedules kept per step kind and batch shape: each holds its stages' receive buffers for every micro-batch, so
 # batches padded to their own length should come in a few lengths (e.g. `pad_to_multiple_of=8` in the collator)
 _MAX_CACHED_SCHEDULES = 16
+
+
+class StepCode(Protocol):
+    """The user's step, as the pipeline calls it (for a LightningModule: :class:`lightning_bfpp.user_step.
+    LightningStep`). ``capture`` runs it on the first stage up to the model call and returns that call's
+    ``(args, kwargs)``, the pipeline's input; ``finish`` runs it on the last stage with the model call returning
+    ``output`` (one micro-batch's pipeline output), its logged values going to ``recorder``; ``loss`` reads the
+    loss from what it returned; ``running`` is entered while any of it runs."""
+
+    def capture(self, step_name: str, microbatch: Any, step_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict]: ...
+
+    def running(self) -> AbstractContextManager[Any]: ...
+
+    def new_recorder(self) -> Any: ...
+
+    def finish(
+        self, step_name: str, microbatch: Any, step_args: tuple[Any, ...], output: Any, recorder: Any
+    ) -> Any: ...
+
+    def loss(self, step_output: Any, step_name: str) -> torch.Tensor: ...
 
 
 @dataclass
@@ -62,7 +74,8 @@ class StepResult:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
-    recorder: LogRecorder = field(default_factory=LogRecorder)
+    # the step's logged values on the last stage (the step code's recorder)
+    recorder: Any = None
     num_microbatches: int = 0
     step_name: str = ""
     # the user's step failed here: input capture (first stage), loss or logging (last stage)
@@ -87,7 +100,6 @@ class StepResult:
 
 @dataclass
 class _ActiveStep:
-    step: Callable[..., Any]
     step_name: str
     microbatches: list[Any]
     step_args: tuple[Any, ...]
@@ -104,7 +116,7 @@ class Pipeline:
 
     def __init__(
         self,
-        module: LightningModule,
+        module: nn.Module,
         stage_plan: StagePlan,
         stage_modules: Sequence[nn.Module],
         mesh: DeviceMesh,
@@ -117,6 +129,7 @@ class Pipeline:
         prefetch_stages: int = 1,
         base_seed: int = 0,
         executor: Executor,
+        step_code: StepCode,
         agreement_timeout: float | None = None,
         tied: TiedParameters | None = None,
     ) -> None:
@@ -158,8 +171,8 @@ class Pipeline:
         self.tied = tied
         # how long the check before a new schedule waits for every rank (None: the process group's timeout)
         self.agreement_timeout = agreement_timeout
-        # the module's torchmetrics: restored after input capture, and refused to sync inside a step
-        self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        # the user's step (input capture, loss and logging): the caller's, e.g. a LightningModule's step methods
+        self.step_code = step_code
         # True while the user's step code runs here; collectives called then are refused (see user_step)
         self.running_user_code = False
         self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule | WeightPassingRunner] = OrderedDict()
@@ -255,7 +268,6 @@ class Pipeline:
         their own longest sequence): each pipeline builds a schedule per shape, without the other replicas.
         """
         self._prefetch_first_stage()
-        step = getattr(self.module, step_name)
         failure = StepFailure()
         num_microbatches, microbatches, signature = 0, [], None
         seeds: list[int] = []
@@ -273,9 +285,7 @@ class Pipeline:
                 captured = []
                 for i, mb in enumerate(microbatches):
                     with self.user_code(seeds[i]):
-                        captured.append(
-                            capture_model_input(self.module, step, step_name, mb, *step_args, metrics=self.metrics)
-                        )
+                        captured.append(self.step_code.capture(step_name, mb, step_args))
                 inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
         except Exception as error:
             failure.record(error, self.rank_label)
@@ -297,7 +307,12 @@ class Pipeline:
                 # cost a collective every step): run it on the inputs it last ran on, then raise the capture's
                 # error on every rank after it, before any optimizer step.
                 inputs = schedule.last_inputs
-        result = StepResult(num_microbatches=num_microbatches, step_name=step_name, failure=failure)
+        result = StepResult(
+            num_microbatches=num_microbatches,
+            step_name=step_name,
+            failure=failure,
+            recorder=self.step_code.new_recorder(),
+        )
         result.batch_digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
         result.content_digest = content
         result.batch_description = (
@@ -310,7 +325,7 @@ class Pipeline:
         scale = loss_scale / num_microbatches
         if train and set_aside_grads:
             self.batch_gradients.set_aside()
-        self._active = _ActiveStep(step, step_name, microbatches, step_args, train, scale, result, seeds, loss_scale)
+        self._active = _ActiveStep(step_name, microbatches, step_args, train, scale, result, seeds, loss_scale)
         self._schedule_in_use = schedule
         targets = [torch.tensor(i) for i in range(num_microbatches)]
         arg_mbs, kwarg_mbs = inputs if inputs is not None else (None, None)
@@ -383,7 +398,7 @@ class Pipeline:
         """Where the user's step code runs: forked random state, collectives refused."""
         with ExitStack() as stack:
             stack.enter_context(forked_random_state(seed, self.device))
-            stack.enter_context(metrics_refuse_sync(self.metrics))
+            stack.enter_context(self.step_code.running())
             self.running_user_code = True
             stack.callback(setattr, self, "running_user_code", False)
             yield
@@ -400,17 +415,14 @@ class Pipeline:
             return _placeholder_loss(output)  # the step already failed here; finish the schedule, then raise
         i = int(microbatch_index)
         try:
-            with (
-                self.user_code(active.seeds[i]),
-                model_returns(self.module, output) as calls,
-                active.result.recorder.recording(self.module),
-            ):
-                step_output = active.step(active.microbatches[i], *active.step_args)
-            check_model_called(calls(), active.step_name)
+            with self.user_code(active.seeds[i]):
+                step_output = self.step_code.finish(
+                    active.step_name, active.microbatches[i], active.step_args, output, active.result.recorder
+                )
             if not active.train:
                 active.result.outputs[i] = step_output
                 return torch.zeros((), device=self.device)
-            loss = step_loss(step_output, active.step_name)
+            loss = self.step_code.loss(step_output, active.step_name)
         except Exception as error:
             # raising here would leave the other ranks waiting for this stage's gradients: let the schedule
             # finish on a zero loss, and raise on every rank once they meet (see logged_values.LoggedValueSync)

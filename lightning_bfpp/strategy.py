@@ -89,7 +89,7 @@ from lightning_bfpp.summary import WholeModelSummary
 from lightning_bfpp.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
 from lightning_bfpp.topology import NodeTopology
 from lightning_bfpp.trace import TraceSession
-from lightning_bfpp.user_step import collective_refusal
+from lightning_bfpp.user_step import LightningStep, collective_refusal
 from lightning_bfpp.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode
 
 if TYPE_CHECKING:
@@ -582,6 +582,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 microbatch_group_size=layout.microbatch_group_size,
                 prefetch_stages=self.config.prefetch_stages,
                 base_seed=base_seed,
+                step_code=LightningStep(module),
                 executor=StageExecutor(self.device_mesh, self.root_device, plan.pipeline_parallel_size, reductions),
                 # a rank still waiting here after this long is not coming: see Pipeline._agree_before_schedule
                 agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
@@ -681,6 +682,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 num_microbatches=layout.num_microbatches,
                 prefetch_stages=self.config.prefetch_stages,
                 base_seed=base_seed,
+                step_code=LightningStep(module),
                 executor=WeightPassingExecutor(ChunkTransfers(chunks, topology, me), device),
                 agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
             )

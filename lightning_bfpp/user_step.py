@@ -242,3 +242,36 @@ def step_loss(output: Any, step_name: str) -> torch.Tensor:
         f"BFPPStrategy: `{step_name}` must return the loss tensor or a dict with a 'loss' tensor, got"
         f" {type(output).__name__}."
     )
+
+
+class LightningStep:
+    """A LightningModule's step methods as the pipeline's step code (:class:`lightning_bfpp.pipeline.StepCode`):
+    the first stage runs a step up to ``self(...)`` for the model's input, the last stage runs it whole with
+    ``self(...)`` returning the pipeline's output and its ``self.log`` calls recorded, and its torchmetrics may
+    not sync meanwhile. The engine sees only these calls, so it imports no Lightning."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+        # the module's torchmetrics: restored after input capture, and refused to sync inside a step
+        self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+
+    def capture(self, step_name: str, microbatch: Any, step_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict]:
+        step = getattr(self.module, step_name)
+        return capture_model_input(self.module, step, step_name, microbatch, *step_args, metrics=self.metrics)
+
+    def running(self) -> Any:
+        return metrics_refuse_sync(self.metrics)
+
+    def new_recorder(self) -> LogRecorder:
+        return LogRecorder()
+
+    def finish(
+        self, step_name: str, microbatch: Any, step_args: tuple[Any, ...], output: Any, recorder: LogRecorder
+    ) -> Any:
+        with model_returns(self.module, output) as calls, recorder.recording(self.module):
+            step_output = getattr(self.module, step_name)(microbatch, *step_args)
+        check_model_called(calls(), step_name)
+        return step_output
+
+    def loss(self, step_output: Any, step_name: str) -> torch.Tensor:
+        return step_loss(step_output, step_name)

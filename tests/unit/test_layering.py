@@ -3,9 +3,10 @@
 Only the adapter modules may import Lightning.
 
 Checked in a fresh interpreter whose import system refuses ``lightning`` (and its old names and
-torchmetrics). The package's ``__init__`` registers the strategy with Lightning, so the modules are loaded
-without running it: the check is about each module's own imports, which is what keeps the engine reusable
-outside a Trainer and the private torch names (``_compat``) apart from Lightning's (``_lightning_compat``).
+torchmetrics): the package itself imports (without the strategy, which needs Lightning), then every engine
+module. That keeps the engine reusable outside a Trainer (``tests/distributed/test_plain_loop.py`` trains
+with it from a plain torch loop) and the private torch names (``_compat``) apart from Lightning's
+(``_lightning_compat``).
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ ENGINE = [
     "lightning_bfpp.cpu_threads",
     "lightning_bfpp.weight_passing",
     "lightning_bfpp.executors",
+    "lightning_bfpp.pipeline",
     "lightning_bfpp.plan.costs",
     "lightning_bfpp.plan.simulate",
     "lightning_bfpp.plan.search",
+    "lightning_bfpp.plan.cluster",
+    "lightning_bfpp.plan.weight_passing",
 ]
 
 _SCRIPT = """
-import importlib, importlib.abc, sys, types
+import importlib, importlib.abc, sys
 
 BLOCKED = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
 
@@ -59,9 +63,9 @@ class Refuse(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Refuse())
-package = types.ModuleType("lightning_bfpp")
-package.__path__ = [sys.argv[1]]
-sys.modules["lightning_bfpp"] = package  # the modules, without the package's Lightning registration
+sys.path.insert(0, str(__import__("pathlib").Path(sys.argv[1]).parent))
+import lightning_bfpp  # the package itself: without Lightning it imports without the strategy
+assert "BFPPStrategy" not in vars(lightning_bfpp)
 for name in sys.argv[2:]:
     importlib.import_module(name)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)

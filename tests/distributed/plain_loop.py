@@ -1,0 +1,133 @@
+"""The engine driven from a plain torch loop: no Lightning, no strategy (see test_plain_loop.py).
+
+``python -m tests.distributed.plain_loop OUT`` spawns 4 CPU processes (gloo): a pipeline of 2 ranks × 2
+data-parallel replicas, 2 stages per rank, breadth-first, fully sharded. Each process builds its stages from
+the engine's parts (mesh, stage plan, stage modules, FSDP2 sharding, an executor), runs 4 training steps with
+its own SGD optimizer, where the step is two callbacks (the first stage's input; the last stage's loss), and
+writes the model's full weights and the losses it saw to ``OUT/rank<r>.pt``. Lightning and torchmetrics
+are blocked from import in the processes, so the run also shows the engine needs neither.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+
+class _Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}:
+            raise ImportError(f"{name} is blocked in the plain loop")
+        return None
+
+
+sys.meta_path.insert(0, _Refuse())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+STEPS, BATCH, MICROBATCHES, P, DP = 4, 16, 4, 2, 2
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32)]
+    for _ in range(6):
+        layers += [nn.Sequential(nn.Tanh(), nn.Linear(32, 32))]
+    layers.append(nn.Sequential(nn.Tanh(), nn.Linear(32, 1)))
+    return nn.Sequential(*layers)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g)) for _ in range(STEPS)]
+
+
+class RegressionStep:
+    """The step as the engine's callbacks: the input is the micro-batch's features, the loss the MSE."""
+
+    def capture(self, step_name: str, microbatch: Any, step_args: tuple) -> tuple[tuple, dict]:
+        return (microbatch[0],), {}
+
+    def running(self) -> Any:
+        return nullcontext()
+
+    def new_recorder(self) -> None:
+        return None
+
+    def finish(self, step_name: str, microbatch: Any, step_args: tuple, output: Any, recorder: Any) -> Any:
+        return F.mse_loss(output, microbatch[1])
+
+    def loss(self, step_output: Any, step_name: str) -> torch.Tensor:
+        return step_output
+
+
+def run(rank: int, out: str, init_file: str) -> None:
+    from lightning_bfpp.config import MeshShape
+    from lightning_bfpp.executors import StageExecutor
+    from lightning_bfpp.layers import StageModule
+    from lightning_bfpp.partition import StagePlan, uniform_counts
+    from lightning_bfpp.pipeline import Pipeline
+    from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P * DP)
+    device = torch.device("cpu")
+    model = make_model()
+    names = [str(i) for i in range(len(model))]
+    mesh = build_mesh(device, MeshShape(pipeline_parallel_size=P, data_parallel_size=DP))
+    plan = StagePlan(tuple(names), uniform_counts(len(names), 2 * P), P)
+    pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
+    replica = mesh[DATA_PARALLEL].get_local_rank()
+    stages = []
+    for stage in plan.stages_of(pipeline_rank):
+        layers = [model[int(name)] for name in plan.stage_layers(stage)]
+        module = StageModule(layers, stage, names=plan.stage_layers(stage), is_last=stage == plan.num_stages - 1)
+        stages.append(shard_stage(module, mesh[DATA_PARALLEL], "full_shard"))
+    pipeline = Pipeline(
+        model,
+        plan,
+        stages,
+        mesh,
+        device,
+        schedule="breadth_first",
+        sharding="full_shard",
+        num_microbatches=MICROBATCHES,
+        executor=StageExecutor(mesh, device, P),
+        step_code=RegressionStep(),
+    )
+    local = [p for stage in stages for p in stage.parameters()]
+    optimizer = torch.optim.SGD(local, lr=0.1, momentum=0.9)
+    losses = []
+    for step, (x, y) in enumerate(batches()):  # each replica takes its half of the global batch
+        half = slice(replica * BATCH // DP, (replica + 1) * BATCH // DP)
+        result = pipeline.run("training_step", (x[half], y[half]), (), train=True, step_key=(step,))
+        loss, _ = result.loss_and_items()
+        losses.append(None if loss is None else float(loss))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    weights = {}  # under the model's own names: a stage's `layers.<k>.<rest>` is its k-th layer's `<rest>`
+    for stage_index, stage in zip(plan.stages_of(pipeline_rank), stages, strict=True):
+        layer_names = plan.stage_layers(stage_index)
+        for name, p in stage.named_parameters():
+            _, k, rest = name.split(".", 2)
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            weights[f"{layer_names[int(k)]}.{rest}"] = full.detach().clone()
+    blocked = sorted(m for m in sys.modules if m.split(".")[0] in {"lightning", "torchmetrics"})
+    torch.save({"losses": losses, "weights": weights, "stages": list(plan.stages_of(pipeline_rank)),
+                "blocked_imports": blocked}, Path(out) / f"rank{rank}.pt")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    mp.spawn(run, args=(out, os.path.join(out, "init")), nprocs=P * DP, join=True)
