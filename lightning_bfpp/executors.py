@@ -59,6 +59,11 @@ class Executor(Protocol):
         """Collectives once every rank has built its executor (groups of its own)."""
         ...
 
+    @property
+    def waits_at_end(self) -> bool:
+        """Whether gradient traffic may still be under way when the schedule ends (:meth:`finish` waits for it)."""
+        ...
+
     def finish(self) -> None:
         """Wait for the step's gradient traffic: the gradients are complete afterwards."""
         ...
@@ -103,6 +108,10 @@ class StageExecutor:
     def connect(self) -> None:
         pass
 
+    @property
+    def waits_at_end(self) -> bool:
+        return self.reductions is not None  # FSDP2's own reductions block inside the schedule
+
     def finish(self) -> None:
         if self.reductions is not None:
             self.reductions.finish()
@@ -139,6 +148,10 @@ class WeightPassingExecutor:
         topology = self.transfers.topology
         # fetches and reductions each on groups of their own
         self.transfers.connect(topology_groups(topology), topology_groups(topology))
+
+    @property
+    def waits_at_end(self) -> bool:
+        return True
 
     def finish(self) -> None:
         self.transfers.finish()

@@ -336,7 +336,7 @@ class Pipeline:
             raise RuntimeError(shape_varies_message(error, step_name)) from error
         finally:
             self._active = None
-            if train:
+            if train and self.executor.waits_at_end:
                 # the gradients are complete only now, before clipping and the optimizer step
                 start = tracer.now() if tracer is not None else 0.0
                 self.executor.finish()
