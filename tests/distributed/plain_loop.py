@@ -25,8 +25,6 @@ class _Refuse(importlib.abc.MetaPathFinder):
         return None
 
 
-sys.meta_path.insert(0, _Refuse())
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -71,6 +69,8 @@ class RegressionStep:
 
 
 def run(rank: int, out: str, init_file: str) -> None:
+    # in the spawned process only (the test's own process imports this module for the model and the data)
+    sys.meta_path.insert(0, _Refuse())
     from lightning_bfpp.config import MeshShape
     from lightning_bfpp.executors import StageExecutor
     from lightning_bfpp.layers import StageModule
