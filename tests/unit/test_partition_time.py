@@ -90,24 +90,26 @@ def test_time_partition_balances_compute_where_parameters_do_not():
         weights = layer_weights(named)
         assert weights[0] > 5 * weights[1]  # the embedding: more parameters than five blocks
         # timing on shared cores: up to three independent attempts (profile, partition, stage timing), judged on
-        # the best; balancing by parameters must stay unequal in that same attempt
-        spreads = []
+        # the best. A profile disturbed by the machine's other work can even give the parameters' cut; such an
+        # attempt counts as failed, not as the answer.
+        mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
+        by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_layout(mesh, weights)
+        attempts = []
         for _ in range(3):
             profile = profile_module(module, batch, repeats=5)
             times = [layer.forward_s + layer.backward_s for layer in profile.layers]
-            mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
             by_time = PipelineConfig(partition="time", stages_per_rank=1).resolve_layout(mesh, weights, times)
-            by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_layout(mesh, weights)
-            assert by_time.stage_layer_counts != by_params.stage_layer_counts
-            spread = {}
+            spread = {"counts": by_time.stage_layer_counts}
             for name, layout in (("time", by_time), ("parameters", by_params)):
                 stage = _stage_times(module, batch, layout.stage_layer_counts)
                 spread[name] = max(stage) / min(stage) - 1
-            spreads.append(spread)
-            if spread["time"] < 0.15:
+            attempts.append(spread)
+            if by_time.stage_layer_counts != by_params.stage_layer_counts and spread["time"] < 0.15:
                 break
-        best = min(spreads, key=lambda s: s["time"])
-        assert best["time"] < 0.15, spreads
-        assert best["parameters"] > 0.15, spreads
+        moved = [a for a in attempts if a["counts"] != by_params.stage_layer_counts]
+        assert moved, (by_params.stage_layer_counts, attempts)  # time balancing cut elsewhere at least once
+        best = min(moved, key=lambda a: a["time"])
+        assert best["time"] < 0.15, attempts
+        assert best["parameters"] > 0.15, attempts
     finally:
         torch.set_num_threads(threads)
