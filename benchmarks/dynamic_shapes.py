@@ -2,7 +2,7 @@
 
 Batches padded to their own longest sequence come in many lengths; each new length (per step kind and
 pipeline) builds a schedule: torch's shape inference runs every stage forward and backward once, on stand-in
-weights and without data-parallel collectives (``lightning_bfpp.runtime.ShapeInference``), and the stages'
+weights and without data-parallel collectives (``lightning_bfpp.engine.runtime.ShapeInference``), and the stages'
 receive buffers are allocated. The schedule is cached (16 per pipeline), so a length seen before costs nothing
 extra. This runs, in one launch of 4 CPU processes at (p, dp, v, m) = (2, 2, 2, 4), full sharding:
 
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from examples.train_gpt import GPT, VOCAB
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.microbatch import batch_digest
+from lightning_bfpp.engine.microbatch import batch_digest
 
 LENGTHS = (16, 20, 24, 28, 32, 36, 40, 44, 48)
 STEPS = 37

@@ -47,7 +47,7 @@ from benchmarks.run import _sleep_overshoot_ms
 from benchmarks.suite import configs, critical_path, launch, report
 from benchmarks.suite.report import Row, Spread
 from benchmarks.suite.spec import Emulated, Job, bound_s
-from lightning_bfpp.timeline import Span, draw, write_chrome_trace
+from lightning_bfpp.plan.timeline import Span, draw, write_chrome_trace
 
 REPO = Path(__file__).resolve().parents[1]
 RAW = REPO / "runs/benchmarks/limits"
@@ -500,7 +500,7 @@ def trace_section(measured: dict[str, Measured], out: Path) -> tuple[list[str], 
             if forward_ms == 5.0:
                 orders[impl] = critical_path.orders(steps[0][0])
     lines = [
-        "Each traced job ran its timed steps under `lightning_bfpp.trace.StepTracer`'s hooks on torch's runtime"
+        "Each traced job ran its timed steps under `lightning_bfpp.engine.trace.StepTracer`'s hooks on torch's runtime"
         " (bfpp by hand, LoopedBFS and Interleaved1F1B all run on `_PipelineScheduleRuntime`), on the clock all"
         " processes share, without the barrier `BFPPStrategy(trace=...)` puts before a step; bfpp through"
         " Lightning with `BFPPStrategy(trace=...)` itself (its steps start at that barrier and end, here, with"

@@ -22,7 +22,7 @@ import lightning as L
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.plan.emulated import EmulatedModel, EmulatedNet, emulated_loader
+from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet, emulated_loader
 
 MODEL = EmulatedModel(layers=8, forward_ms=5.0, backward_ms=10.0, param_numel=250_000, activation_numel=4096)
 SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")

@@ -14,7 +14,7 @@ import argparse
 import lightning as L
 
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.plan.emulated import EmulatedModel, EmulatedNet, emulated_loader
+from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet, emulated_loader
 
 MODEL = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=1 << 18)
 

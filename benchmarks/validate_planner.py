@@ -5,9 +5,9 @@
     python benchmarks/validate_planner.py --topology    # 2 nodes × 2: weight passing, hybrid sharding, breadth-first
 
 1. Calibrate the machine at that process count as a user would, with ``plan calibrate``
-   (``lightning_bfpp.plan.calibrate``): point-to-point and collective costs, and the runtime's own cost per
+   (``lightning_bfpp.measure.calibrate``): point-to-point and collective costs, and the runtime's own cost per
    schedule action and per step (from two runs of 5 ms layers, not among the configurations compared).
-2. Profile the emulated model layer by layer (``lightning_bfpp.plan.profile``): the planner sees measured
+2. Profile the emulated model layer by layer (``lightning_bfpp.measure.profile``): the planner sees measured
    times, including how long a 10 ms sleep really takes.
 3. For each configuration, train a few steps with ``BFPPStrategy``, take the median step time after the
    first step (which also infers shapes), and compare with ``lightning_bfpp.plan.simulate``.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_bfpp.plan.calibrate import calibrate, run_emulated
+from lightning_bfpp.measure.calibrate import calibrate, run_emulated
+from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet
+from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.emulated import EmulatedModel, EmulatedNet
-from lightning_bfpp.plan.profile import profile_module
 from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
 MODEL = EmulatedModel(layers=16, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=4096)

@@ -4,14 +4,14 @@
 strategies only through its registry, not through package entry points), so afterwards
 ``Trainer(strategy="bfpp")`` works as well as ``Trainer(strategy=BFPPStrategy(...))``.
 
-The engine (``lightning_bfpp.pipeline``, ``.executors``, ``.sharding``, ``.schedule``, …) imports no Lightning:
+The engine (``lightning_bfpp.engine.pipeline``, ``.executors``, ``.sharding``, ``.schedule``, …) imports no Lightning:
 without Lightning installed the package imports without the strategy, and a plain torch loop can drive the
 engine (see ``tests/distributed/plain_loop.py``).
 """
 
 from typing import Any
 
-from lightning_bfpp.loss import mean_over_items
+from lightning_bfpp.engine.loss import mean_over_items
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ except ImportError:  # the engine alone
     StrategyRegistry = None
 
 if StrategyRegistry is not None:
-    from lightning_bfpp.strategy import BFPPStrategy
+    from lightning_bfpp.adapter.strategy import BFPPStrategy
 
     BFPPStrategy.register_strategies(StrategyRegistry)
 

@@ -1,37 +1,9 @@
-"""``python -m lightning_bfpp.consolidate <folder> --output_file <file>``: one ordinary checkpoint file.
+"""``python -m lightning_bfpp.consolidate <folder>``: the command's public name (see
+:mod:`lightning_bfpp.adapter.consolidate`)."""
 
-Lightning's ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does the same, but a parameter tied
-across pipeline stages is stored once, under its canonical name (see :mod:`lightning_bfpp.tied`), so its file
-lacks the other names that a one-device tied model's ``load_state_dict(strict=True)`` asks for. This tool adds
-them, pointing to the same tensor (``torch.save`` then stores it once), from the names ``meta.pt`` records.
-"""
+from lightning_bfpp.adapter.consolidate import consolidate, main
 
-from __future__ import annotations
-
-import argparse
-from pathlib import Path
-
-import torch
-
-from lightning_bfpp import _lightning_compat as lc
-from lightning_bfpp.checkpoint import TIED_KEY, with_tied_names
-
-
-def consolidate(folder: Path, output_file: Path) -> None:
-    """Write the DCP checkpoint ``folder`` as one file loadable by ``Module.load_from_checkpoint`` on one device."""
-    checkpoint = lc.consolidated_checkpoint(Path(folder))
-    with_tied_names(checkpoint["state_dict"], checkpoint.pop(TIED_KEY, {}))
-    torch.save(checkpoint, output_file)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint_folder", type=Path, help="a checkpoint folder written under BFPPStrategy")
-    parser.add_argument("--output_file", type=Path, default=None, help="default: <folder>.consolidated")
-    args = parser.parse_args(argv)
-    output = args.output_file or args.checkpoint_folder.with_name(args.checkpoint_folder.name + ".consolidated")
-    consolidate(args.checkpoint_folder, output)
-
+__all__ = ["consolidate", "main"]
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Model factories for tests that probe how the pipeline runs, not what it computes (``RunSpec.model_factory``).
 
-- :func:`sleeping_net`: layers that sleep for their forward and backward (``lightning_bfpp/plan/emulated.py``), so
+- :func:`sleeping_net`: layers that sleep for their forward and backward (``lightning_bfpp/measure/emulated.py``), so
   that compute lasts long enough for the timing of weight gathers around it to be measured.
 - :func:`aliased_net`: a PipeNet with an alias of one of its layers, which the pipeline must refuse on
   every rank.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_bfpp.plan.emulated import EmulatedLayer
+from lightning_bfpp.measure.emulated import EmulatedLayer
 from tests.models import LayerStack, PipeNet, RunSpec
 
 # per layer and micro-batch; 8 layers over (p, v) = (2, 2) make a stage's sweep over 4 micro-batches last

@@ -100,7 +100,7 @@ class RankState(L.Callback):
         self.folder = folder
 
     def _write(self, trainer: L.Trainer, module: L.LightningModule, when: str) -> None:
-        from lightning_bfpp.layers import Recompute, RemoteLayer
+        from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 
         strategy = trainer.strategy
         names = {id(m): n for n, m in module.named_modules()}

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_bfpp import checkpoint as checkpoint_io
+from lightning_bfpp.engine import checkpoint as checkpoint_io
 from tests.models import DataSpec, ModelSpec, RegressionData, RunSpec
 
 _DATA_FIELDS = {f.name for f in dataclasses.fields(DataSpec)}

@@ -1,7 +1,7 @@
 """bfpp's data-parallel communication of one step, alone: the ``collectives`` kind of job.
 
 Each rank issues the weight gathers and gradient reductions its lowered breadth-first schedule holds
-(``lightning_bfpp.schedule.lower``: an all-gather per ``UNSHARD``, a reduce-scatter per ``REDUCE_GRAD``), in
+(``lightning_bfpp.plan.schedule.lower``: an all-gather per ``UNSHARD``, a reduce-scatter per ``REDUCE_GRAD``), in
 the schedule's order, with a stage's sizes (its layers' fp32 weights, sharded over the data-parallel group)
 and on the same data-parallel groups of the same (data × pipeline) mesh as the pipelined job, but with no
 compute, no pipeline transfers and no FSDP2 around them (no copy into or out of the flat buffers, which
@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.suite.instrument import StepClock
 from benchmarks.suite.spec import Job
-from lightning_bfpp.schedule import REDUCE_GRAD, UNSHARD, generate, lower
-from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.plan.schedule import REDUCE_GRAD, UNSHARD, generate, lower
 
 MODES = ("waited", "async")
 

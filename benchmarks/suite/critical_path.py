@@ -1,6 +1,6 @@
 """What a measured pipeline step waited on: its critical path through the ranks' spans, and a replay. Pure.
 
-The spans are :class:`lightning_bfpp.timeline.Span` records of one step on every rank, on one clock (see
+The spans are :class:`lightning_bfpp.plan.timeline.Span` records of one step on every rank, on one clock (see
 ``workers._Spans``). A compute span (a stage's forward or backward of a micro-batch) starts after two things:
 the previous compute on its rank, and, for a stage whose input comes from another rank, the producing span
 there (the previous stage's forward, the next stage's backward). Walking back from the step's last compute
@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_bfpp.timeline import COMPUTE, Span
+from lightning_bfpp.plan.timeline import COMPUTE, Span
 
 Op = tuple[str, int, int]  # (kind: "forward" | "backward", stage, micro-batch)
 

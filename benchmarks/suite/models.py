@@ -2,7 +2,7 @@
 
 Emulated layers sleep for their forward and backward time inside a custom autograd function while real
 tensors flow (the weight is gathered and its gradient reduced by FSDP2, the activation sent between pipeline
-ranks), as ``lightning_bfpp/plan/emulated.py``'s do; here the time scales with the rows a layer receives, so that a
+ranks), as ``lightning_bfpp/measure/emulated.py``'s do; here the time scales with the rows a layer receives, so that a
 data-parallel-only run, whose ranks each take a larger share of the global batch, is charged for it, and the
 time slept is counted (:data:`benchmarks.suite.instrument.COUNTERS`). A sleeping process leaves the cores to
 the others: several processes behave like several devices, on two cores.

@@ -5,8 +5,9 @@ into stages the same way (``balance_by_weight`` over parameter counts, as ``BFPP
 same loss and optimizer, and mark their steps with the same :class:`~benchmarks.suite.instrument.StepClock`:
 
 - ``bfpp``: ``BFPPStrategy`` through a Lightning ``Trainer`` (what a user runs);
-- ``bfpp_hand``: the schedule bfpp generates and lowers (``lightning_bfpp.schedule``), sharded per stage by
-  ``lightning_bfpp.sharding.shard_stage`` and executed by ``lightning_bfpp.runtime.PlannedSchedule``, driven
+- ``bfpp_hand``: the schedule bfpp generates and lowers (``lightning_bfpp.plan.schedule``), sharded per stage by
+  ``lightning_bfpp.engine.sharding.shard_stage`` and executed by
+  ``lightning_bfpp.engine.runtime.PlannedSchedule``, driven
   by a plain loop: Lightning's share of the step is the difference with ``bfpp``;
 - ``torch``: ``torch.distributed.pipelining``'s own schedule classes over the same stages, with FSDP2 applied
   directly when there is data parallelism: ``fully_shard(stage, reshard_after_forward=False)``, torchtitan's
@@ -51,11 +52,11 @@ from benchmarks.suite.instrument import MEMORY, StepClock
 from benchmarks.suite.models import ModelParts, lightning_module, model_parts, train_loader
 from benchmarks.suite.spec import SINGLE_STAGE_SCHEDULES, Job
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.partition import balance_by_weight, rank_stages
-from lightning_bfpp.runtime import PlannedSchedule, build_stages
-from lightning_bfpp.schedule import generate, lower, validate
-from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
-from lightning_bfpp.trace import StepTracer
+from lightning_bfpp.engine.runtime import PlannedSchedule, build_stages
+from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
+from lightning_bfpp.engine.trace import StepTracer
+from lightning_bfpp.plan.partition import balance_by_weight, rank_stages
+from lightning_bfpp.plan.schedule import generate, lower, validate
 
 CPU = torch.device("cpu")
 
@@ -165,7 +166,7 @@ class _Stages:
 
 
 class _Spans:
-    """The timed steps' spans when ``job.trace``: ``lightning_bfpp.trace.StepTracer`` hooks on torch's runtime.
+    """The timed steps' spans when ``job.trace``: ``lightning_bfpp.engine.trace.StepTracer`` hooks on torch's runtime.
 
     The tracer's clock is left unset (no ``start_step``, whose barrier would line the ranks up and change the
     timing): its times are then ``time.perf_counter()``, the monotonic clock every process of the machine

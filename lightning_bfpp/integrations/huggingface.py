@@ -73,8 +73,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'pip install "lightning-bfpp[huggingface]"'
     ) from error
 
-from lightning_bfpp import _compat, _lightning_compat
-from lightning_bfpp.loss import mean_over_items
+from lightning_bfpp.adapter import _lightning_compat
+from lightning_bfpp.engine import _compat
+from lightning_bfpp.engine.loss import mean_over_items
 
 __all__ = [
     "CAUSAL_LM_FAMILIES",
@@ -927,7 +928,7 @@ class _HFPipelineModule(L.LightningModule):
         """
         from torch.distributed.tensor import DTensor
 
-        from lightning_bfpp.layers import RemoteLayer
+        from lightning_bfpp.engine.layers import RemoteLayer
 
         remote = [n for n, m in self.named_modules() if isinstance(m, RemoteLayer)]
         if remote:

@@ -1,8 +1,10 @@
-"""The planner: describe a model and a machine, simulate every configuration, rank them.
+"""Planning, pure: no process groups, no Lightning, no measurement.
 
-Pure except :mod:`~lightning_bfpp.plan.profile`, :mod:`~lightning_bfpp.plan.calibrate` and
-:mod:`~lightning_bfpp.plan.emulated`, which measure a module and this machine with torch.
-``python -m lightning_bfpp.plan --help`` for the command line.
+What the engine runs is decided here: the configuration and its checks (``config``), cutting layers into stages
+(``partition``), the order of actions (``schedule``), the node layout (``topology``), and the planner that
+describes a model and a machine, simulates every configuration and ranks them (``costs``, ``cluster``,
+``simulate``, ``search``, ``weight_passing``), with timelines to draw (``timeline``). Its inputs are measured by
+:mod:`lightning_bfpp.measure`. ``python -m lightning_bfpp.plan --help`` for the command line.
 """
 
 from lightning_bfpp.plan.cluster import Cluster

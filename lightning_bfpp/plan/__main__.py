@@ -32,7 +32,7 @@ from typing import Any
 from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster
 from lightning_bfpp.plan.costs import ModelProfile, gpt
 from lightning_bfpp.plan.search import PLAN_SCHEDULES, SearchSpace, format_table, search
-from lightning_bfpp.timeline import draw
+from lightning_bfpp.plan.timeline import draw
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -112,8 +112,8 @@ def _profile_source(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _measure(args: argparse.Namespace) -> ModelProfile:
-    from lightning_bfpp.microbatch import batch_size, split_microbatches
-    from lightning_bfpp.plan.profile import profile_module
+    from lightning_bfpp.engine.microbatch import batch_size, split_microbatches
+    from lightning_bfpp.measure.profile import profile_module
 
     if not args.datamodule:
         raise SystemExit("--module needs --datamodule (a training batch to measure with)")
@@ -228,7 +228,7 @@ def run_profile(args: argparse.Namespace) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
-    from lightning_bfpp.plan.calibrate import calibrate
+    from lightning_bfpp.measure.calibrate import calibrate
 
     cluster, _ = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime)
     cluster.to_json(args.out)

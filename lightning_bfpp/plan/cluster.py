@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lightning_bfpp.config import MESH_ORDERS
+from lightning_bfpp.plan.config import MESH_ORDERS
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Cluster:
     # fixed software cost per collective call (tiny with NCCL, milliseconds with gloo on CPU)
     collective_overhead_s: float = 0.0
     # fixed host cost per executed schedule action and per step (Python runtime, kernel launches);
-    # negligible at scale, measurable on small CPU runs (see lightning_bfpp.plan.calibrate)
+    # negligible at scale, measurable on small CPU runs (see lightning_bfpp.measure.calibrate)
     action_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     # whether gradient reductions overlap later compute: BFPPStrategy's overlap_reductions (on by default on

@@ -4,7 +4,7 @@ A :class:`ModelProfile` lists per-layer costs for micro-batches of ``microbatch_
 scales times and activation sizes linearly to other micro-batch sizes (an assumption: accelerators run
 very small micro-batches less efficiently than linear scaling says, so profile at the size you plan for). Profiles
 come from a JSON file, from :func:`gpt` (an analytic transformer model, for planning at scale), from
-:func:`uniform`, or from measuring a LightningModule on this machine (:mod:`lightning_bfpp.plan.profile`).
+:func:`uniform`, or from measuring a LightningModule on this machine (:mod:`lightning_bfpp.measure.profile`).
 """
 
 from __future__ import annotations

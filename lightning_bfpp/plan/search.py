@@ -23,11 +23,11 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from lightning_bfpp.config import SHARDINGS
 from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank
+from lightning_bfpp.plan.config import SHARDINGS
 from lightning_bfpp.plan.costs import ModelProfile
+from lightning_bfpp.plan.schedule import SCHEDULES
 from lightning_bfpp.plan.simulate import HYBRID_SHARD, WEIGHT_PASSING, PlanConfig, Prediction, simulate
-from lightning_bfpp.schedule import SCHEDULES
 
 # what the planner models: the activation-pipeline schedules, weight passing, and every sharding
 PLAN_SCHEDULES: tuple[str, ...] = tuple(dict.fromkeys((*SCHEDULES, WEIGHT_PASSING)))

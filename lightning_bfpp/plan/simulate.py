@@ -1,7 +1,7 @@
 """Simulate one training step of a configuration as an event timeline. Pure.
 
-The simulator executes the very action lists the runtime executes (:func:`lightning_bfpp.schedule.generate`
-then :func:`~lightning_bfpp.schedule.lower`), rank by rank, with this model of a device:
+The simulator executes the very action lists the runtime executes (:func:`lightning_bfpp.plan.schedule.generate`
+then :func:`~lightning_bfpp.plan.schedule.lower`), rank by rank, with this model of a device:
 
 - compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
   for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered;
@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from lightning_bfpp.partition import balance_by_weight
 from lightning_bfpp.plan.cluster import Cluster, Links, links
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
-from lightning_bfpp.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, generate, lower
-from lightning_bfpp.timeline import Span
+from lightning_bfpp.plan.partition import balance_by_weight
+from lightning_bfpp.plan.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, generate, lower
+from lightning_bfpp.plan.timeline import Span
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Prediction:
 
 
 def balanced_counts(weights: Sequence[int], num_stages: int) -> tuple[int, ...]:
-    """:func:`~lightning_bfpp.partition.balance_by_weight`, remembered: a search asks for the same cut of the
+    """:func:`~lightning_bfpp.plan.partition.balance_by_weight`, remembered: a search asks for the same cut of the
     same layers for thousands of configurations, and the exact partition is quadratic in the layers."""
     return _balanced_counts(tuple(weights), num_stages)
 

@@ -1,7 +1,7 @@
 """Weight passing (TawPipe's topology-aware weight pipeline) as the planner models it. Pure.
 
 ``P = D·S`` devices, ``D`` nodes of ``S``. The model's pipeline layers are cut into ``P`` chunks, balanced as
-the partitioner balances stages (:func:`~lightning_bfpp.partition.balance_by_weight`); chunk ``c`` is owned
+the partitioner balances stages (:func:`~lightning_bfpp.plan.partition.balance_by_weight`); chunk ``c`` is owned
 by global rank ``(c mod D)·S + ⌊c/D⌋`` (:func:`chunk_owner`: TawPipe's device-bound storage, so local rank
 ``j`` of every node owns chunks ``jD … jD + D − 1``, one per node: rail ``j``). Only the owner keeps the
 chunk's weights in full precision, its gradients and its optimizer state.
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
 from lightning_bfpp.plan.simulate import PlanConfig, Prediction, balanced_counts
-from lightning_bfpp.timeline import Span
+from lightning_bfpp.plan.timeline import Span
 
 
 def chunk_owner(chunk: int, nodes: int, per_node: int) -> int:

@@ -1,8 +1,8 @@
 """The engine driven from a plain torch loop: no Lightning, no strategy (see test_plain_loop.py).
 
 ``python -m tests.distributed.plain_loop OUT`` spawns 4 CPU processes (gloo): a pipeline of 2 ranks × 2
-data-parallel replicas, 2 stages per rank, breadth-first, fully sharded. Each process builds its stages from
-the engine's parts (mesh, stage plan, stage modules, FSDP2 sharding, an executor), runs 4 training steps with
+data-parallel replicas, 2 stages per rank, breadth-first, fully sharded. Each process builds its part with the
+engine's builder (``engine.build``: stage plan, local layers, initial values, FSDP2 sharding), runs 4 training steps with
 its own SGD optimizer, where the step is two callbacks (the first stage's input; the last stage's loss), and
 writes the model's full weights and the losses it saw to ``OUT/rank<r>.pt``. Lightning and torchmetrics
 are blocked from import in the processes, so the run also shows the engine needs neither.
@@ -19,8 +19,14 @@ from typing import Any
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
+    """Refuses Lightning and torchmetrics, and records every attempt (an optional import that caught the
+    refusal would otherwise go unseen)."""
+
+    attempts: list[str] = []
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name.split(".")[0] in {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}:
+            self.attempts.append(name)
             raise ImportError(f"{name} is blocked in the plain loop")
         return None
 
@@ -71,39 +77,36 @@ class RegressionStep:
 def run(rank: int, out: str, init_file: str) -> None:
     # in the spawned process only (the test's own process imports this module for the model and the data)
     sys.meta_path.insert(0, _Refuse())
-    from lightning_bfpp.config import MeshShape
-    from lightning_bfpp.executors import StageExecutor
-    from lightning_bfpp.layers import StageModule
-    from lightning_bfpp.partition import StagePlan, uniform_counts
-    from lightning_bfpp.pipeline import Pipeline
-    from lightning_bfpp.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+    import lightning_bfpp  # noqa: F401  the package asks for Lightning once, to register the strategy if it can
+
+    _Refuse.attempts.clear()  # from here on the engine must not even try
+    from lightning_bfpp.engine.executors import StageExecutor
+    from lightning_bfpp.engine.layers import StageModule
+    from lightning_bfpp.engine.pipeline import Pipeline
+    from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
+    from lightning_bfpp.engine.build import Placement, place, plan_stages
+    from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh
+    from lightning_bfpp.plan.config import MeshShape, PipelineConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P * DP)
     device = torch.device("cpu")
     model = make_model()
-    names = [str(i) for i in range(len(model))]
-    mesh = build_mesh(device, MeshShape(pipeline_parallel_size=P, data_parallel_size=DP))
-    plan = StagePlan(tuple(names), uniform_counts(len(names), 2 * P), P)
+    named = [(str(i), layer) for i, layer in enumerate(model)]
+    shape = MeshShape(pipeline_parallel_size=P, data_parallel_size=DP)
+    config = PipelineConfig(
+        pipeline_parallel_size=P, stages_per_rank=2, num_microbatches=MICROBATCHES, partition="uniform"
+    )
+    mesh = build_mesh(device, shape)
+    layout, plan = plan_stages(config, shape, named)
+    placement = Placement(config, shape, mesh, device, rank, P * DP, processes_per_node=P * DP)
+    build = place(model, named, layout, plan, placement, step_code=RegressionStep(), base_seed=0)
+    build.pending.share()  # every replica takes data-parallel rank 0's initial values
+    pipeline = build.pending.finish()
+    pipeline.executor.connect()
+    stages = pipeline.stage_modules
     pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
     replica = mesh[DATA_PARALLEL].get_local_rank()
-    stages = []
-    for stage in plan.stages_of(pipeline_rank):
-        layers = [model[int(name)] for name in plan.stage_layers(stage)]
-        module = StageModule(layers, stage, names=plan.stage_layers(stage), is_last=stage == plan.num_stages - 1)
-        stages.append(shard_stage(module, mesh[DATA_PARALLEL], "full_shard"))
-    pipeline = Pipeline(
-        model,
-        plan,
-        stages,
-        mesh,
-        device,
-        schedule="breadth_first",
-        sharding="full_shard",
-        num_microbatches=MICROBATCHES,
-        executor=StageExecutor(mesh, device, P),
-        step_code=RegressionStep(),
-    )
     local = [p for stage in stages for p in stage.parameters()]
     optimizer = torch.optim.SGD(local, lr=0.1, momentum=0.9)
     losses = []
@@ -121,7 +124,7 @@ def run(rank: int, out: str, init_file: str) -> None:
             _, k, rest = name.split(".", 2)
             full = p.full_tensor() if isinstance(p, DTensor) else p
             weights[f"{layer_names[int(k)]}.{rest}"] = full.detach().clone()
-    blocked = sorted(m for m in sys.modules if m.split(".")[0] in {"lightning", "torchmetrics"})
+    blocked = sorted(set(_Refuse.attempts))
     torch.save({"losses": losses, "weights": weights, "stages": list(plan.stages_of(pipeline_rank)),
                 "blocked_imports": blocked}, Path(out) / f"rank{rank}.pt")  # fmt: skip
     dist.destroy_process_group()

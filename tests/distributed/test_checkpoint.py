@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from lightning_bfpp.checkpoint import checkpoint_keys, is_sharded_checkpoint
+from lightning_bfpp.engine.checkpoint import checkpoint_keys, is_sharded_checkpoint
 from tests.distributed.harness import REPO, launch, relative_error, run_worker
 from tests.models import PipeNet, RunSpec, reference_run
 

@@ -125,7 +125,7 @@ def test_accumulation_equals_a_larger_batch_and_reduces_once_per_optimizer_step(
             events = [(kind, stage) for s, kind, stage, _ in rank_result["events"] if s == step]
             # two batches of 4 micro-batches ran, but each stage's gradients were reduced once; in the first
             # window once per batch, until the first loss shows whether the step normalises by item counts
-            # (`mean_over_items` batches are reduced one by one, see lightning_bfpp.loss.BatchGradients)
+            # (`mean_over_items` batches are reduced one by one, see lightning_bfpp.engine.loss.BatchGradients)
             reductions = 2 if step == 1 else 1
             assert Counter(stage for kind, stage in events if kind == "forward") == Counter(dict.fromkeys(local, 8))
             assert Counter(stage for kind, stage in events if kind == "reduce") == Counter(

@@ -40,8 +40,8 @@ from peft import PeftModel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
+from lightning_bfpp.engine.layers import pipeline_layers
 from lightning_bfpp.integrations.huggingface import export_pretrained
-from lightning_bfpp.layers import pipeline_layers
 from tests.distributed.harness import assert_steps_match, launch, run_2x2
 from tests.hf_models import hf_module, hf_reference_run, tiny_config, token_data
 from tests.models import trainer_defaults

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_bfpp.measure.calibrate import run_emulated
+from lightning_bfpp.measure.emulated import EmulatedModel
 from lightning_bfpp.plan import Cluster, PlanConfig, simulate, uniform
-from lightning_bfpp.plan.calibrate import run_emulated
-from lightning_bfpp.plan.emulated import EmulatedModel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

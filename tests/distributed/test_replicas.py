@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from lightning_bfpp.layers import pipeline_layers
+from lightning_bfpp.engine.layers import pipeline_layers
 from tests.distributed.harness import assert_steps_match, load_results, relative_error, run_worker
 from tests.models import RunSpec, eval_loader, make_dataset, make_model, reference_run
 from tests.replica_models import SEED_BASE, BufferedNet
@@ -217,7 +217,7 @@ def _fold(initial: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> dict[
 
 
 def test_running_statistics_follow_their_chunk_under_weight_passing(launched):
-    """The semantics documented in lightning_bfpp.weight_passing: a chunk's buffers are its owner's, updated by
+    """The semantics documented in lightning_bfpp.engine.weight_passing: a chunk's buffers are its owner's, updated by
     the owner's forwards (once per micro-batch, in order; not again by the backward's recomputation), and every
     rank computes and evaluates with them. One device would count every rank's micro-batches."""
     results = launched[1]

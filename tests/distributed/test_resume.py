@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_bfpp.checkpoint import LOADER_STATES_KEY, METADATA_FILENAME, is_sharded_checkpoint
+from lightning_bfpp.engine.checkpoint import LOADER_STATES_KEY, METADATA_FILENAME, is_sharded_checkpoint
 from tests.distributed.harness import load_results, relative_error, run_worker
 from tests.models import RunSpec, reference_run
 

@@ -232,7 +232,7 @@ def test_cpu_processes_share_the_cores(results):
     """Launched without OMP_NUM_THREADS, each of the 4 CPU processes runs its share of the cores, as under
     torchrun. Lightning's launcher caps only itself (rank 0): without the strategy's cap ranks 1–3 kept torch's
     default of one thread per core."""
-    from lightning_bfpp.cpu_threads import available_cores, threads_per_process
+    from lightning_bfpp.engine.cpu_threads import available_cores, threads_per_process
 
     _, res = results
     cores = available_cores()

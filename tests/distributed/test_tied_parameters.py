@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_bfpp.checkpoint import TIED_KEY
+from lightning_bfpp.engine.checkpoint import TIED_KEY
 from tests.distributed.harness import REPO, launch, relative_error
 from tests.models import PipeNet, RunSpec, reference_run
 from tests.tied_models import TIED_MODEL, tied_net
@@ -208,7 +208,7 @@ def test_consolidated_checkpoint_loads_into_a_tied_model_on_one_device(results, 
     folder = workdir / "four" / "out" / "full_shard" / "end.ckpt"
     single_file = tmp_path / "consolidated.ckpt"
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    cmd = [sys.executable, "-m", "lightning_bfpp.consolidate", str(folder), "--output_file", str(single_file)]
+    cmd = [sys.executable, "-m", "lightning_bfpp.adapter.consolidate", str(folder), "--output_file", str(single_file)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     saved = torch.load(single_file, weights_only=False)["state_dict"]

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from lightning_bfpp.timeline import read_spans
+from lightning_bfpp.plan.timeline import read_spans
 from tests.distributed.harness import launch
 from tests.models import RunSpec
 

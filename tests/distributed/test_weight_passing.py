@@ -1,4 +1,4 @@
-"""Weight passing (``schedule="weight_passing"``, lightning_bfpp.weight_passing) equals one-device training.
+"""Weight passing (``schedule="weight_passing"``, lightning_bfpp.engine.weight_passing) equals one-device training.
 
 Nodes are emulated on this machine with ``processes_per_node``: 2 nodes × 2, 3 nodes × 2 and 2 nodes × 4
 processes, and one process alone (which sends nothing). Per layout one launch runs:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_bfpp.topology import NodeTopology
+from lightning_bfpp.plan.topology import NodeTopology
 from tests.distributed.harness import assert_params_match, assert_steps_match, launch, relative_error
 from tests.models import RunSpec, make_model, reference_run
 
@@ -189,8 +189,8 @@ def test_transfers_per_step_match_the_formulas(results):
     micro-batch's forward). That is TawPipe's 3·N·(D−1)·Ψ less (D−1)·((N−1)·Ψ₀ + N·Ψₙ₋₁). Inside a node: one
     broadcast per fetch and one reduce per backward.
     """
-    from lightning_bfpp.config import MeshShape, PipelineConfig
-    from lightning_bfpp.layers import layer_weights, pipeline_layers
+    from lightning_bfpp.engine.layers import layer_weights, pipeline_layers
+    from lightning_bfpp.plan.config import MeshShape, PipelineConfig
 
     run = next(r for r in RUNS[(2, 2)] if r.name == "traffic_2x2")
     nodes, per_node, n, m = 2, 2, 4, 3

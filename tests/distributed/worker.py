@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.layers import Recompute, RemoteLayer
+from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 from tests import models as test_models
 from tests.models import (
     RunSpec,
@@ -179,7 +179,7 @@ class EventLog:
             ("all_gather_into_tensor", (0, "output_tensor")),
             ("reduce_scatter_single", (1, "input")),
             ("reduce_scatter_tensor", (1, "input")),
-            # weight passing's transfers (lightning_bfpp.weight_passing): the chunk or gradient buffer
+            # weight passing's transfers (lightning_bfpp.engine.weight_passing): the chunk or gradient buffer
             ("broadcast", (0, "tensor")),
             ("reduce", (0, "tensor")),
             ("isend", (0, "tensor")),
@@ -220,7 +220,7 @@ class EventLog:
     def install_step_marks(self) -> None:
         """Mark when each step has its schedule in hand (its host-side preparation done: the batch split, the
         input captured, on a new shape the ranks' check)."""
-        from lightning_bfpp.pipeline import Pipeline
+        from lightning_bfpp.engine.pipeline import Pipeline
 
         schedule_for, log = Pipeline._schedule_for, self
 
@@ -240,7 +240,7 @@ class EventLog:
 def _receive_placement(strategy: Any) -> list[dict[str, Any]]:
     """For each pipeline schedule this rank built: whether it posts receives early, how many receives its
     action list holds, and how many of them come before its first other action."""
-    from lightning_bfpp.runtime import PlannedSchedule
+    from lightning_bfpp.engine.runtime import PlannedSchedule
 
     placements = []
     for schedule in strategy.pipeline._schedules.values():
@@ -421,7 +421,7 @@ _PLANNER_RANKING: list[dict[str, Any]] = []
 def _record_planner_ranking() -> list[dict[str, Any]]:
     """``planner_ranking``: the feasible layouts ``pipeline_parallel_size="auto"`` ranked, best first, with the
     stage partition each was simulated with (filled on global rank 0, where the planner runs)."""
-    from lightning_bfpp import auto
+    from lightning_bfpp.adapter import auto
     from lightning_bfpp.plan.simulate import balanced_counts
 
     search = auto.search_per_replica_batch

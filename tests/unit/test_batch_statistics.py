@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_bfpp.layers import batch_statistics_layers, batch_statistics_warning, check_no_collective_layers
+from lightning_bfpp.engine.layers import batch_statistics_layers, batch_statistics_warning, check_no_collective_layers
 
 
 class Custom(nn.BatchNorm1d):

@@ -8,9 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-from lightning_bfpp import checkpoint as checkpoint_io
-from lightning_bfpp.agreement import raise_shared
-from lightning_bfpp.checkpoint import (
+from lightning_bfpp.engine import checkpoint as checkpoint_io
+from lightning_bfpp.engine.agreement import raise_shared
+from lightning_bfpp.engine.checkpoint import (
     METADATA_FILENAME,
     CheckpointError,
     _swap_in,
@@ -142,7 +142,7 @@ def test_an_incomplete_folder_is_refused_before_reading_it(tmp_path):
 
 def test_a_one_device_optimizer_over_the_trained_parameters_maps_to_their_names():
     """LoRA's and frozen layers' usual optimizer covers the parameters that train: its positions are theirs."""
-    from lightning_bfpp.checkpoint import load_full_optimizer
+    from lightning_bfpp.engine.checkpoint import load_full_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))

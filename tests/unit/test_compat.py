@@ -1,6 +1,6 @@
 """The private torch, transformers and Lightning API lightning_bfpp relies on still exists and behaves as used.
 
-If one of these fails after an upgrade, lightning_bfpp/_compat.py (torch, transformers) or _lightning_compat.py
+If one of these fails after an upgrade, lightning_bfpp/engine/_compat.py (torch, transformers) or _lightning_compat.py
 (Lightning, torchmetrics) names the symbol; fix it there. torch's runtime is run for real, in a one-process gloo
 world, so that what the package writes into it is shown to be what torch reads. An AST check keeps every other
 module of the package off those private names.
@@ -17,17 +17,18 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_bfpp import _compat, _lightning_compat
-from lightning_bfpp.layers import StageModule
-from lightning_bfpp.runtime import (
+from lightning_bfpp.adapter import _lightning_compat
+from lightning_bfpp.engine import _compat
+from lightning_bfpp.engine.layers import StageModule
+from lightning_bfpp.engine.runtime import (
     PlannedSchedule,
     build_stages,
     post_receives_first,
     to_torch_action,
     transfers_independent,
 )
-from lightning_bfpp.schedule import Action, Kind, breadth_first, forward_only, lower
-from lightning_bfpp.trace import StepTracer
+from lightning_bfpp.engine.trace import StepTracer
+from lightning_bfpp.plan.schedule import Action, Kind, breadth_first, forward_only, lower
 
 
 def test_supported_torch_version():
@@ -41,7 +42,7 @@ def test_action_kinds_map_onto_torch_ir():
 
 
 def _action(kind):
-    from lightning_bfpp.schedule import Action
+    from lightning_bfpp.plan.schedule import Action
 
     return Action(3, kind, 1 if kind in (Kind.FORWARD, Kind.BACKWARD) else None)
 
@@ -322,7 +323,7 @@ def test_stream_mode_reductions_make_the_compute_stream_wait_only_after_the_last
     """The CUDA path, on CPU: REDUCE_GRAD issues each stage's reduction (FSDP2 post-backward) without its final
     callback, so the compute stream waits for no reduction before the schedule's last action; the waits come
     once, in ``finish`` (before clipping and the optimizer). torch's own REDUCE_GRAD waits at each stage."""
-    from lightning_bfpp.reductions import GradientReductions
+    from lightning_bfpp.engine.reductions import GradientReductions
 
     def run(mode):
         log: list[str] = []
@@ -511,7 +512,7 @@ def test_the_private_name_check_finds_each_kind_of_use(tmp_path):
         "import torch._dynamo\n"
         "from torch.distributed._composable import replicate\n"
         "from lightning.fabric.utilities.load import _load_distributed_checkpoint\n"
-        "from lightning_bfpp._compat import parameter_slots\n"
+        "from lightning_bfpp.engine._compat import parameter_slots\n"
         "def f(module, config, row):\n"
         "    os._exit(0)\n"
         "    row._asdict()\n"

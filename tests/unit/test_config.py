@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_bfpp.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.config import MeshShape, PipelineConfig
 
 
 @pytest.mark.parametrize(

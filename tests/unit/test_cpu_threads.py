@@ -1,10 +1,10 @@
-"""Each CPU process's share of the cores (lightning_bfpp.cpu_threads); the strategy's use of it is tested in
+"""Each CPU process's share of the cores (lightning_bfpp.engine.cpu_threads); the strategy's use of it is tested in
 tests/distributed/test_sharding_and_data.py."""
 
 import pytest
 import torch
 
-from lightning_bfpp.cpu_threads import share_cores, threads_per_process
+from lightning_bfpp.engine.cpu_threads import share_cores, threads_per_process
 
 
 def test_threads_per_process_divides_the_cores_and_keeps_one():
@@ -22,7 +22,7 @@ def restore_threads():
 
 
 def test_share_cores_caps_the_threads_unless_the_user_chose(restore_threads, monkeypatch):
-    monkeypatch.setattr("lightning_bfpp.cpu_threads.available_cores", lambda: 8)
+    monkeypatch.setattr("lightning_bfpp.engine.cpu_threads.available_cores", lambda: 8)
     torch.set_num_threads(8)
     assert share_cores(4, environ={"OMP_NUM_THREADS": "8"}) is None  # the user's choice stands
     assert torch.get_num_threads() == 8

@@ -25,7 +25,7 @@ RANK_SCRIPT = """
 import tests.lean_imports  # Lightning (imported by lightning_bfpp) without torchmetrics' slow extras
 import sys, time
 import torch.distributed as dist
-from lightning_bfpp.failures import FailureWatchdog
+from lightning_bfpp.engine.failures import FailureWatchdog
 
 rank, world, port, action = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=30))

@@ -11,6 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, BertForSequenceClassification, LlamaModel
 
+from lightning_bfpp.engine.layers import keep_local_layers, materialize_remaining, pipeline_layers
+from lightning_bfpp.engine.tied import find_ties
 from lightning_bfpp.integrations.huggingface import (
     CAUSAL_LM_FAMILIES,
     TASK_HEAD_FILE,
@@ -21,8 +23,6 @@ from lightning_bfpp.integrations.huggingface import (
     encoder_layers,
     export_pretrained,
 )
-from lightning_bfpp.layers import keep_local_layers, materialize_remaining, pipeline_layers
-from lightning_bfpp.tied import find_ties
 from tests.hf_models import CAUSAL_FAMILIES, ENCODER_FAMILIES, VOCAB, packed_labels, packed_positions, tiny_config
 
 TOL = 1e-5
@@ -264,7 +264,7 @@ def test_tied_embeddings_of_every_family_stay_one_parameter(family):
 
 def test_tied_embeddings_stay_one_parameter():
     """GPT-2's default: the head's weight is the embedding's Parameter, in two layers. The core accepts the tie
-    and keeps the embedding's name as the canonical one (see lightning_bfpp.tied)."""
+    and keeps the embedding's name as the canonical one (see lightning_bfpp.engine.tied)."""
     torch.manual_seed(0)
     module = HFCausalLM(tiny_config("gpt2", tie=True))
     assert module.head.lm_head.weight is module.embed.embed_tokens.weight
@@ -484,7 +484,7 @@ def test_encoder_takes_token_types_and_positions(family):
 def test_causal_loss_is_a_sum_over_label_tokens_marked_for_the_global_mean(family):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from lightning_bfpp.loss import item_sum
+    from lightning_bfpp.engine.loss import item_sum
 
     module = HFCausalLM(hf_model(family)).eval()
     batch = padded_batch()
@@ -504,7 +504,7 @@ def test_causal_loss_is_a_sum_over_label_tokens_marked_for_the_global_mean(famil
 
 @pytest.mark.parametrize("num_labels", [None, 4])
 def test_token_level_regressor_loss_is_a_sum_over_tokens_marked_for_the_global_mean(num_labels):
-    from lightning_bfpp.loss import item_sum
+    from lightning_bfpp.engine.loss import item_sum
 
     torch.manual_seed(0)
     module = HFSequenceRegressor(tiny_config("bert"), num_labels=num_labels, pooling="none").eval()

@@ -1,6 +1,6 @@
 """``sharding="hybrid_shard"``: which configurations are accepted, and which ranks shard and replicate together.
 
-The validation and the rank groups are pure (:mod:`lightning_bfpp.config`); the device mesh the stages shard
+The validation and the rank groups are pure (:mod:`lightning_bfpp.plan.config`); the device mesh the stages shard
 over is built for every rank of an 8-rank world in one process, on torch's fake process group (no
 communication), and must give each rank exactly those groups.
 """
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_bfpp.config import MeshShape, PipelineConfig
-from lightning_bfpp.sharding import REPLICATE, SHARD, build_mesh, data_parallel_mesh, second_data_parallel_group
+from lightning_bfpp.engine.sharding import REPLICATE, SHARD, build_mesh, data_parallel_mesh, second_data_parallel_group
+from lightning_bfpp.plan.config import MeshShape, PipelineConfig
 
 
 def resolve(world: int, per_node: int, p: int, order: str = "data_pipeline") -> MeshShape:

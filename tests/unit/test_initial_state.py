@@ -1,4 +1,4 @@
-"""The broadcast that gives every replica data-parallel rank 0's initial values (lightning_bfpp.initial_state)."""
+"""The broadcast that gives every replica data-parallel rank 0's initial values (engine.initial_state)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bfpp.initial_state import (
+from lightning_bfpp.engine.initial_state import (
     ALONE_BYTES,
     broadcast_tensors,
     buffers_outside,

@@ -9,9 +9,9 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch import nn
 
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.checkpoint import _swap_in
-from lightning_bfpp.layers import Recompute, recompute_policy
-from lightning_bfpp.predictions import in_dataset_order, merge_microbatches
+from lightning_bfpp.adapter.predictions import in_dataset_order, merge_microbatches
+from lightning_bfpp.engine.checkpoint import _swap_in
+from lightning_bfpp.engine.layers import Recompute, recompute_policy
 
 
 def test_precision_plugins():

@@ -11,54 +11,38 @@ with it from a plain torch loop) and the private torch names (``_compat``) apart
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-ENGINE = [
-    "lightning_bfpp._compat",
-    "lightning_bfpp.config",
-    "lightning_bfpp.partition",
-    "lightning_bfpp.schedule",
-    "lightning_bfpp.timeline",
-    "lightning_bfpp.microbatch",
-    "lightning_bfpp.sharding",
-    "lightning_bfpp.checkpoint",
-    "lightning_bfpp.runtime",
-    "lightning_bfpp.layers",
-    "lightning_bfpp.trace",
-    "lightning_bfpp.clipping",
-    "lightning_bfpp.tied",
-    "lightning_bfpp.agreement",
-    "lightning_bfpp.failures",
-    "lightning_bfpp.frozen",
-    "lightning_bfpp.initial_state",
-    "lightning_bfpp.loss",
-    "lightning_bfpp.predictions",
-    "lightning_bfpp.random_state",
-    "lightning_bfpp.reductions",
-    "lightning_bfpp.topology",
-    "lightning_bfpp.cpu_threads",
-    "lightning_bfpp.weight_passing",
-    "lightning_bfpp.executors",
-    "lightning_bfpp.pipeline",
-    "lightning_bfpp.plan.costs",
-    "lightning_bfpp.plan.simulate",
-    "lightning_bfpp.plan.search",
-    "lightning_bfpp.plan.cluster",
-    "lightning_bfpp.plan.weight_passing",
-]
+PACKAGE = REPO / "lightning_bfpp"
+
+
+def _modules(folder: str) -> list[str]:
+    """Every module of a layer's folder, read from the folder so that a new one cannot be left out."""
+    return sorted(
+        f"lightning_bfpp.{folder}.{path.stem}"
+        for path in (PACKAGE / folder).glob("*.py")
+        if path.stem not in ("__init__", "__main__")
+    )
+
+
+ENGINE = _modules("engine")
+PLAN = _modules("plan")
 
 _SCRIPT = """
 import importlib, importlib.abc, sys
 
 BLOCKED = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
+def blocked(name):
+    return any(name == b or name.startswith(b + ".") for b in BLOCKED)
 
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if blocked(name):
             raise ImportError(f"{name} is blocked in this test")
         return None
 
@@ -68,14 +52,14 @@ import lightning_bfpp  # the package itself: without Lightning it imports withou
 assert "BFPPStrategy" not in vars(lightning_bfpp)
 for name in sys.argv[2:]:
     importlib.import_module(name)
-leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+leaked = sorted(m for m in sys.modules if blocked(m))
 assert not leaked, leaked
 try:  # the blocker works: the Lightning half fails under it
-    importlib.import_module("lightning_bfpp._lightning_compat")
+    importlib.import_module("lightning_bfpp.adapter._lightning_compat")
 except ImportError as error:
     assert "is blocked in this test" in str(error), error
 else:
-    raise AssertionError("lightning_bfpp._lightning_compat imported with Lightning blocked")
+    raise AssertionError("lightning_bfpp.adapter._lightning_compat imported with Lightning blocked")
 print("ok")
 """
 
@@ -91,8 +75,45 @@ def _import_blocked(*modules: str) -> subprocess.CompletedProcess:
 
 
 def test_engine_modules_import_without_lightning():
+    assert len(ENGINE) >= 20 and "lightning_bfpp.engine.pipeline" in ENGINE
     proc = _import_blocked(*ENGINE)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+_NOT_IN_PLANNING = ("torch.distributed", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics")
+_LAYERS_ABOVE = (
+    "lightning_bfpp.engine",
+    "lightning_bfpp.adapter",
+    "lightning_bfpp.measure",
+    "lightning_bfpp.integrations",
+)
+
+
+def _imports_outside_planning(path: Path) -> list[str]:
+    """What a module's import statements name that planning must not use (``import torch`` itself loads
+    ``torch.distributed``, so this reads the source rather than ``sys.modules``)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return sorted({n for n in names if any(n == b or n.startswith(b + ".") for b in _NOT_IN_PLANNING + _LAYERS_ABOVE)})
+
+
+def test_planning_modules_use_no_process_groups_lightning_or_engine():
+    """Partition, schedules and the planner are pure: unit-tested without processes, usable offline. (The
+    command line, ``plan/__main__.py``, imports the measuring code when asked to measure.)"""
+    assert "lightning_bfpp.plan.schedule" in PLAN and "lightning_bfpp.plan.simulate" in PLAN
+    found = {m: _imports_outside_planning(PACKAGE / "plan" / f"{m.rsplit('.', 1)[1]}.py") for m in PLAN}
+    assert not any(found.values()), {m: names for m, names in found.items() if names}
+    proc = _import_blocked(*PLAN, "lightning_bfpp.plan")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_the_planning_check_can_fail():
+    assert _imports_outside_planning(PACKAGE / "engine" / "sharding.py")  # torch.distributed
+    assert _imports_outside_planning(PACKAGE / "adapter" / "strategy.py")  # lightning, the engine
 
 
 _DRAW = """
@@ -101,7 +122,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("svg")  # the user's choice, which drawing a timeline must leave alone
-from lightning_bfpp.timeline import Span, draw
+from lightning_bfpp.plan.timeline import Span, draw
 
 path = Path(sys.argv[1])
 draw([Span(0, "forward", 0.0, 0.01, 0, 0), Span(1, "backward", 0.01, 0.03, 1, 0)], path, "two spans")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bfpp.layers import (
+from lightning_bfpp.engine.layers import (
     RemoteLayer,
     StageModule,
     keep_local_layers,

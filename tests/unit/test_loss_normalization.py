@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from lightning_bfpp import mean_over_items
-from lightning_bfpp.logged_values import LoggedValueSync, LogSpec, combine_microbatches
-from lightning_bfpp.loss import BatchGradients, item_sum
-from lightning_bfpp.microbatch import batch_digest
-from lightning_bfpp.runtime import ShapeInference
-from lightning_bfpp.user_step import LogRecorder
+from lightning_bfpp.adapter.logged_values import LoggedValueSync, LogSpec, combine_microbatches
+from lightning_bfpp.adapter.user_step import LogRecorder
+from lightning_bfpp.engine.loss import BatchGradients, item_sum
+from lightning_bfpp.engine.microbatch import batch_digest
+from lightning_bfpp.engine.runtime import ShapeInference
 
 
 def test_mean_over_items_is_the_mean_and_keeps_its_sum_and_count():
@@ -47,7 +47,7 @@ def test_logged_item_means_combine_as_one_sum_over_one_count():
 
 def test_the_step_loss_is_shared_with_the_global_item_count():
     sync = LoggedValueSync(torch.device("cpu"))
-    from lightning_bfpp.agreement import StepFailure
+    from lightning_bfpp.engine.agreement import StepFailure
 
     shared = sync.share(
         [LogSpec("a", "mean", ())],

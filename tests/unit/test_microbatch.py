@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_bfpp.microbatch import batch_signature, split_microbatches
+from lightning_bfpp.engine.microbatch import batch_signature, split_microbatches
 
 
 def test_tuple_batch():
@@ -36,7 +36,7 @@ def test_signature_changes_with_shape_only():
 
 
 def test_microbatch_count_refuses_full_batches_it_cannot_split_and_names_the_choices():
-    from lightning_bfpp.microbatch import microbatch_count
+    from lightning_bfpp.engine.microbatch import microbatch_count
 
     assert microbatch_count(8, 4) == 4
     assert microbatch_count(6, 4, last_batch=True) == 3

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bfpp.partition import StagePlan, balance_by_weight, rank_stages, stage_rank, uniform_counts
+from lightning_bfpp.plan.partition import StagePlan, balance_by_weight, rank_stages, stage_rank, uniform_counts
 
 
 def test_looping_placement():

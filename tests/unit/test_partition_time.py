@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from lightning_bfpp.config import MeshShape, PipelineConfig
-from lightning_bfpp.layers import layer_weights, pipeline_layers
-from lightning_bfpp.plan.profile import profile_module
-from lightning_bfpp.user_step import capture_model_input
+from lightning_bfpp.adapter.user_step import capture_model_input
+from lightning_bfpp.engine.layers import layer_weights, pipeline_layers
+from lightning_bfpp.measure.profile import profile_module
+from lightning_bfpp.plan.config import MeshShape, PipelineConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -144,7 +144,7 @@ def test_one_command_plan_for_a_lightning_module(capsys, tmp_path):
 
 
 def test_runtime_calibration_fits_per_action_and_per_step_costs():
-    from lightning_bfpp.plan.calibrate import fit_runtime_costs, runtime_configs
+    from lightning_bfpp.measure.calibrate import fit_runtime_costs, runtime_configs
 
     # 16 and 64 actions per rank; the runtime adds 5 ms per step and 1 ms per action
     rows = [
@@ -176,7 +176,7 @@ def test_runtime_calibration_fits_per_action_and_per_step_costs():
 
 
 def test_runtime_costs_are_weighted_by_the_actions_on_the_critical_path():
-    from lightning_bfpp.plan.calibrate import RUNTIME_MODEL, cost_weights, runtime_configs
+    from lightning_bfpp.measure.calibrate import RUNTIME_MODEL, cost_weights, runtime_configs
 
     model = RUNTIME_MODEL
     profile = uniform(model.layers, model.forward_ms / 1e3, model.backward_ms / 1e3, model.param_bytes,
@@ -192,7 +192,7 @@ def test_runtime_costs_are_weighted_by_the_actions_on_the_critical_path():
 
 
 def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(monkeypatch):
-    from lightning_bfpp.plan import calibrate as calibration
+    from lightning_bfpp.measure import calibrate as calibration
 
     few, many = calibration.runtime_configs(2)
     order: list[int] = []

@@ -130,7 +130,7 @@ def test_simulated_fetches_and_bytes_are_the_formulas():
 
 
 def test_the_runtime_lowering_fetches_what_the_model_fetches():
-    from lightning_bfpp import schedule
+    from lightning_bfpp.plan import schedule
 
     if "weight_passing" not in schedule.SCHEDULES:
         pytest.skip("the runtime's weight-passing schedule is not in this checkout")
@@ -226,7 +226,7 @@ def test_search_respects_memory_and_layer_limits_for_weight_passing():
 
 
 def test_the_auto_path_can_plan_weight_passing_and_hybrid_shard():
-    # what lightning_bfpp.auto asks: one schedule and sharding, every pipeline size, the per-replica batch
+    # what lightning_bfpp.adapter.auto asks: one schedule and sharding, every pipeline size, the per-replica batch
     profile = uniform(8, 1e-3, 2e-3, 2**20, 2**10, 2**10)
     cluster = Cluster(8, 4, 2**34, 1e11, 1e9)
     space = SearchSpace(schedules=("weight_passing",), shardings=("full_shard",), stages_per_rank=(1, 2, 4, 8))

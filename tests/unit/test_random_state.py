@@ -1,4 +1,4 @@
-"""The forked generator states a step's code runs under (lightning_bfpp.random_state)."""
+"""The forked generator states a step's code runs under (lightning_bfpp.engine.random_state)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from lightning_bfpp.random_state import derive_seed, forked_random_state
+from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
 
 CPU = torch.device("cpu")
 
@@ -54,7 +54,7 @@ def test_seeds_are_stable_and_distinct_per_key():
 
 def test_a_snapshot_replays_the_same_draws_and_leaves_the_stream_alone():
     """Weight passing recomputes a chunk's forward from the snapshot taken before it: the same dropout masks."""
-    from lightning_bfpp.random_state import RandomStateSnapshot
+    from lightning_bfpp.engine.random_state import RandomStateSnapshot
 
     torch.manual_seed(5)
     snapshot = RandomStateSnapshot(torch.device("cpu"))
@@ -67,7 +67,7 @@ def test_a_snapshot_replays_the_same_draws_and_leaves_the_stream_alone():
 
 
 def test_the_shared_base_seed_is_rank_zeros_torch_seed():
-    from lightning_bfpp.random_state import shared_base_seed
+    from lightning_bfpp.engine.random_state import shared_base_seed
 
     torch.manual_seed(1234)
     sent = []

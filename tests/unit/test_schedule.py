@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bfpp.schedule import (
+from lightning_bfpp.plan.schedule import (
     REDUCE_GRAD,
     RESHARD,
     UNSHARD,
@@ -237,8 +237,8 @@ def _visit_list(actions):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 12), st.data())
 def test_every_schedule_is_valid_for_any_sizes(p, v, m, data):
-    from lightning_bfpp import _compat
-    from lightning_bfpp.runtime import to_torch_action
+    from lightning_bfpp.engine import _compat
+    from lightning_bfpp.engine.runtime import to_torch_action
 
     names = ["breadth_first"] + (["gpipe", "1f1b"] if v == 1 else [])
     candidates = [(name, None) for name in names]
@@ -270,7 +270,7 @@ def test_depth_first_gathers_more_than_breadth_first_under_full_shard():
 
 
 def test_a_schedule_inside_an_accumulation_window_has_no_reductions_but_the_same_gathers():
-    from lightning_bfpp.schedule import REDUCE_GRAD, breadth_first, lower
+    from lightning_bfpp.plan.schedule import REDUCE_GRAD, breadth_first, lower
 
     compute = breadth_first(2, 2, 4)
     with_reduce = lower(compute, "full_shard", 4)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bfpp import checkpoint as ckpt
-from lightning_bfpp.clipping import clip_grad_norm, total_norm
-from lightning_bfpp.layers import keep_local_layers, pipeline_layers
-from lightning_bfpp.tied import check_shared_modules, find_ties, record_identities, retie
+from lightning_bfpp.engine import checkpoint as ckpt
+from lightning_bfpp.engine.clipping import clip_grad_norm, total_norm
+from lightning_bfpp.engine.layers import keep_local_layers, pipeline_layers
+from lightning_bfpp.engine.tied import check_shared_modules, find_ties, record_identities, retie
 
 
 class Twin(nn.Module):

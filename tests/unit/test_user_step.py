@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import BinaryAccuracy
 
-from lightning_bfpp.logged_values import combine_microbatches, reduce_op
-from lightning_bfpp.user_step import LogRecorder, capture_model_input, model_returns, step_loss
+from lightning_bfpp.adapter.logged_values import combine_microbatches, reduce_op
+from lightning_bfpp.adapter.user_step import LogRecorder, capture_model_input, model_returns, step_loss
 
 
 class Net(L.LightningModule):

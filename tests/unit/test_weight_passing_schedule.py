@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bfpp.config import MeshShape, PipelineConfig
-from lightning_bfpp.schedule import (
+from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.schedule import (
     REDUCE_GRAD,
     UNSHARD,
     Kind,
@@ -16,7 +16,7 @@ from lightning_bfpp.schedule import (
     validate,
     weight_passing,
 )
-from lightning_bfpp.topology import NodeTopology
+from lightning_bfpp.plan.topology import NodeTopology
 
 
 def test_tawpipe_placement_spreads_consecutive_chunks_over_nodes():

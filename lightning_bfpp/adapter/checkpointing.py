@@ -1,0 +1,113 @@
+"""Lightning's checkpoint hooks under the pipeline: which entries go where, and each replica's place in the data.
+
+Lightning hands the strategy one checkpoint dict per rank (its ``state_dict`` and ``optimizer_states`` hold this
+rank's shards) and expects one back on load. The files themselves — a ``torch.distributed.checkpoint`` folder
+of layout-free tensors plus ``meta.pt`` — are :mod:`lightning_bfpp.engine.checkpoint`'s; what is Lightning's
+here is the dict: which keys are tensors to shard, where the fit loop keeps the loaders' states (global rank 0's
+dict holds only its own replica's, so every replica's is gathered into ``meta.pt``), and the names of
+parameters tied across stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_bfpp.engine import checkpoint as files
+
+
+@dataclass
+class CheckpointPlace:
+    """What a rank's checkpoint depends on: its place in the mesh, the whole model's parameter names (to read a
+    one-device optimizer state), and the aliases of tied parameters (stored once, under the canonical name)."""
+
+    data_parallel_rank: int
+    data_parallel_size: int
+    pipeline_rank: int
+    is_global_zero: bool
+    full_parameter_names: list[str] = field(default_factory=list)
+    trained_parameter_names: list[str] = field(default_factory=list)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+
+def parameter_names(module: nn.Module) -> tuple[list[str], list[str]]:
+    """The whole model's parameter names and those that train, before the layers are split."""
+    named = list(module.named_parameters())
+    return [name for name, _ in named], [name for name, p in named if p.requires_grad]
+
+
+def fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The fit loop's own entry of a Lightning checkpoint, where ``FitLoop.on_save_checkpoint`` keeps the
+    training loaders' states (``"combined_loader"``); ``None`` in a weights-only checkpoint."""
+    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    return state if isinstance(state, dict) else None
+
+
+def save(checkpoint: dict[str, Any], path: Path, place: CheckpointPlace) -> None:
+    """Write Lightning's ``checkpoint`` dict of this rank: its tensors sharded into the folder, the rest into
+    ``meta.pt`` with every replica's loader states."""
+    state = {files.MODEL_KEY: checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[files.optimizer_key(i)] = optimizer_state
+    fit_state = fit_loop_state(checkpoint)
+    loader_states = files.gather_loader_states(
+        fit_state.get("combined_loader") if fit_state is not None else None,
+        data_parallel_rank=place.data_parallel_rank,
+        pipeline_rank=place.pipeline_rank,
+        data_parallel_size=place.data_parallel_size,
+        is_global_zero=place.is_global_zero,
+    )
+    if loader_states is not None:
+        checkpoint[files.LOADER_STATES_KEY] = loader_states
+    if place.aliases:  # stored once, under the canonical name: what `consolidate` adds back
+        checkpoint[files.TIED_KEY] = dict(place.aliases)
+    files.save(path, state, checkpoint, is_global_zero=place.is_global_zero)
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    place: CheckpointPlace,
+    *,
+    strict: bool,
+    weights_only: bool,
+    warn: Callable[[str], None],
+) -> dict[str, Any]:
+    """Load a checkpoint (a folder from any layout, or a one-device file) into this rank's stages and
+    optimizers; return the rest of Lightning's dict, with this replica's loader states in the fit loop's entry."""
+    loaded, warning = files.load(
+        path,
+        module,
+        list(optimizers),
+        strict=strict,
+        weights_only=weights_only,
+        full_parameter_names=place.full_parameter_names,
+        trained_parameter_names=place.trained_parameter_names,
+        aliases=place.aliases,
+    )
+    loaded.pop(files.TIED_KEY, None)
+    if warning is not None:
+        warn(warning)
+    # each replica resumes its own place in the data (see engine.checkpoint.replica_loader_states)
+    stored = loaded.pop(files.LOADER_STATES_KEY, None)
+    fit_state = fit_loop_state(loaded)
+    if fit_state is not None and fit_state.get("combined_loader"):
+        states, warning = files.replica_loader_states(
+            stored,
+            fit_state["combined_loader"],
+            data_parallel_rank=place.data_parallel_rank,
+            data_parallel_size=place.data_parallel_size,
+        )
+        if warning is not None:
+            warn(warning)
+        if states is None:
+            del fit_state["combined_loader"]
+        else:
+            fit_state["combined_loader"] = states
+    return loaded

@@ -1,0 +1,86 @@
+"""What the strategy refuses, checked up front on every rank, each with the reason and the fix.
+
+Arguments when the strategy is built; the precision plugin when the Trainer is; the Trainer's callbacks and
+the module's optimization mode at set-up; torchmetrics that would sync inside a step while the layers are split.
+(Collectives called from inside a step are refused where they are called: see ``user_step.collective_refusal``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch import nn
+from torchmetrics import Metric
+
+SUPPORTED_PRECISION = {
+    Precision: ("32-true",),
+    MixedPrecision: ("bf16-mixed",),
+    HalfPrecision: ("bf16-true", "16-true"),
+    DoublePrecision: ("64-true",),
+}
+
+
+def check_arguments(overlap_reductions: Any, trace_steps: Any, failure_timeout: Any) -> None:
+    if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
+        raise ValueError(
+            "BFPPStrategy: `overlap_reductions` must be a bool, 'auto', 'stream' or 'thread', got"
+            f" {overlap_reductions!r}."
+        )
+    if isinstance(trace_steps, bool) or not isinstance(trace_steps, int) or trace_steps < 1:
+        raise ValueError(f"BFPPStrategy: `trace_steps` must be a positive int, got {trace_steps!r}.")
+    if failure_timeout is not None and (
+        isinstance(failure_timeout, bool) or not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0
+    ):
+        raise ValueError(
+            f"BFPPStrategy: `failure_timeout` must be a positive number of seconds or None, got {failure_timeout!r}."
+        )
+
+
+def check_precision(plugin: Precision) -> None:
+    """Refuse precisions the pipeline cannot honour, when the Trainer is built, on every rank."""
+    name = getattr(plugin, "precision", None)
+    if name == "16-mixed":
+        raise ValueError(
+            "BFPPStrategy does not support `precision='16-mixed'`: its gradient scaler scales the loss in"
+            " Lightning's backward, which the pipeline replaces, and would skip steps on some pipeline ranks"
+            " only. Use `precision='bf16-mixed'` (no scaler needed), 'bf16-true' or '32-true'."
+        )
+    allowed = SUPPORTED_PRECISION.get(type(plugin))
+    if allowed is None or name not in allowed:
+        supported = ", ".join(p for names in SUPPORTED_PRECISION.values() for p in names)
+        raise ValueError(
+            f"BFPPStrategy does not support the precision plugin {type(plugin).__name__}"
+            f" (precision={name!r}); choose one of: {supported}."
+        )
+
+
+def check_trainer(callbacks: list[Any], module: Any) -> None:
+    """Refuse what needs the whole model on every rank, or Lightning's own backward."""
+    for callback in callbacks:
+        if isinstance(callback, StochasticWeightAveraging):
+            raise RuntimeError(
+                "BFPPStrategy cannot run StochasticWeightAveraging: it averages and re-evaluates the whole model"
+                " on every rank and switches Lightning's own backward back on, while each pipeline rank holds"
+                " a shard of a few stages. Average weights inside the module instead (e.g. an EMA of the"
+                " local parameters in `on_train_batch_end`), or average checkpoints offline."
+            )
+    if not module.automatic_optimization:
+        raise RuntimeError(
+            "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"
+            " remove `self.automatic_optimization = False` and `manual_backward` from the module."
+        )
+
+
+def check_metrics(module: nn.Module) -> None:
+    """Refuse torchmetrics that sync inside every step: only some ranks run a step's code, the sync would hang."""
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric) and metric.dist_sync_on_step:
+            raise ValueError(
+                f"BFPPStrategy: the metric `{name}` has `dist_sync_on_step=True`. Under the pipeline a step's metric"
+                " code runs on the last stage's ranks only, where a sync would wait forever for the others. Drop"
+                " `dist_sync_on_step`: a metric logged with `self.log(name, metric)` shows the step value of the"
+                " global batch anyway (step values are reduced over data-parallel replicas), and its epoch value"
+                " is synced by Lightning."
+            )

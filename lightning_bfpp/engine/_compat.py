@@ -1,0 +1,333 @@
+"""Every private torch and ``transformers`` name lightning_bfpp relies on, in one place, importable without Lightning.
+
+torch's pipelining runtime only accepts custom schedules through private names (its own docs call the
+area alpha and say the CSV loader "will most likely get renamed"). Importing and touching them here, and
+only here, means a torch upgrade breaks one file, and ``tests/unit/test_compat.py`` says which name moved
+(it runs a real ``_PipelineScheduleRuntime`` and checks that torch reads what this module writes). The
+versions in ``pyproject.toml`` are the ones those tests pass on. The few ``transformers`` internals the
+Hugging Face adapter needs are reached through the objects it passes in, so this module does not import
+``transformers`` (an optional dependency).
+
+The engine modules (``runtime``, ``microbatch``, ``sharding``, ``checkpoint``, ``layers``, ``trace``, ``tied``)
+import only this file for private names, so they import without Lightning: this module imports neither
+Lightning nor torchmetrics. Their private names live in :mod:`lightning_bfpp.adapter._lightning_compat`.
+``tests/unit/test_compat.py`` also checks that no other module of the package touches a private name of torch,
+Lightning or ``transformers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed.pipelining.schedules as _torch_schedules
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
+from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
+from torch.distributed.pipelining.schedules import (
+    _Action as TorchAction,
+)
+from torch.distributed.pipelining.schedules import (
+    _add_send_recv as add_send_recv,
+)
+from torch.distributed.pipelining.schedules import (
+    _ComputationType as TorchKind,
+)
+from torch.distributed.pipelining.schedules import (
+    _format_pipeline_order as format_torch_schedule,
+)
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime as PipelineScheduleRuntime,
+)
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+SUPPORTED_TORCH = ((2, 13), (2, 14))
+
+# torch's own functions at import time, to tell whether something replaced them (see runtime_is_hooked)
+_RECORD_FUNCTION, _WAIT_P2P = _torch_schedules.record_function, _torch_schedules._wait_batch_p2p
+
+# The file in a checkpoint folder that holds Lightning's non-tensor state, which its `consolidate_checkpoint`
+# and its model-parallel loaders look for. A literal, so that `checkpoint.py` imports without Lightning;
+# test_compat checks that it equals Lightning's own `lightning.fabric.utilities.load._METADATA_FILENAME`.
+_METADATA_FILENAME = "meta.pt"
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_version() -> None:
+    """Refuse torch releases whose private pipelining API has not been tested with this package."""
+    if torch_version() not in SUPPORTED_TORCH:
+        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
+        raise ImportError(
+            f"lightning_bfpp runs on torch.distributed.pipelining's private schedule runtime, tested on torch"
+            f" {supported}; this is torch {torch.__version__}. Install a supported torch release."
+        )
+
+
+class PipelineRuntime(PipelineScheduleRuntime):
+    """torch's ``_PipelineScheduleRuntime``, driven only through the methods below.
+
+    torch has no public way to run a schedule someone else wrote, so these methods are the private entry
+    points, each named once: :meth:`install_plan` (the action lists), :meth:`run_microbatches` (one step over
+    pre-split micro-batches) and :meth:`metadata_inference` (an override point around torch's first-run shape
+    inference). Subclasses (:class:`lightning_bfpp.engine.runtime.PlannedSchedule`) use no other private name.
+    """
+
+    def install_plan(
+        self, plan: Mapping[int, Sequence[TorchAction]], stage_to_rank: Mapping[int, int], *, backward: bool
+    ) -> None:
+        """Make ``plan`` (every rank's actions, sends and receives included) what each step executes.
+
+        A plan with backward goes through torch's own ``_prepare_schedule_with_comms(format="compute_comms")``,
+        which validates it (each stage on one rank, ``m`` forwards and ``m`` backwards per stage, every
+        backward after its forward) and infers the stage placement from it. torch's validator demands a
+        backward for every forward, so a forward-only plan is stored directly, in the attribute that method
+        fills, with the backward switched off the way torch's own ``eval()`` does. torch's lowering passes
+        (``_add_unshard_reshard``, ``_add_reduce_grad``) are not used; see ``schedule.add_sharding_actions``.
+        """
+        actions = {rank: list(plan[rank]) for rank in plan}
+        if backward:
+            self._prepare_schedule_with_comms(actions, format="compute_comms")  # type: ignore[arg-type]
+        else:
+            self.pipeline_order_with_comms = actions
+            self._has_backward = False
+        if self.stage_index_to_group_rank != dict(stage_to_rank):
+            # torch places stages by the plan (training) or its looped default (forward only); ours must agree,
+            # or sends and receives would go to the wrong ranks
+            raise RuntimeError(
+                f"lightning_bfpp: torch's runtime places stages on ranks {self.stage_index_to_group_rank},"
+                f" the plan on {dict(stage_to_rank)}."
+            )
+
+    def replace_gradient_reduction(self, reduce: Callable[[int], bool]) -> None:
+        """Run ``reduce(stage_index)`` for each ``REDUCE_GRAD`` action instead of torch's synchronous reduction,
+        through torch's own ``register_custom_function``. ``reduce`` returns whether it also reshards the stage
+        (FSDP2's post-backward does when asked to), in which case the stage's next ``RESHARD`` only updates the
+        runtime's record of unsharded stages instead of touching the stage while its reduction may still run.
+        """
+        resharded_by_reduction: set[int] = set()
+
+        def reduce_grad(action: TorchAction, ctx: Any) -> None:
+            if reduce(action.stage_index):
+                resharded_by_reduction.add(action.stage_index)
+
+        def reshard(action: TorchAction, ctx: Any) -> None:
+            stage_index = action.stage_index
+            if stage_index in self.unshard_ops:
+                raise RuntimeError(f"lightning_bfpp: resharding stage {stage_index} before its gather finished")
+            if stage_index in resharded_by_reduction:
+                resharded_by_reduction.discard(stage_index)
+            else:
+                stage = next(s for s in self._stages if s.stage_index == stage_index)
+                for module in stage.submod.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+            self.unsharded_stages.discard(stage_index)
+
+        self.register_custom_function(TorchKind.REDUCE_GRAD, reduce_grad)
+        self.register_custom_function(TorchKind.RESHARD, reshard)
+
+    @property
+    def stages(self) -> list[Any]:
+        """This rank's ``PipelineStage`` objects, in the order they were given."""
+        return list(self._stages)
+
+    @property
+    def runs_backward(self) -> bool:
+        """Whether a step runs the plan's backward actions (False for a forward-only plan)."""
+        return bool(self._has_backward)
+
+    @contextmanager
+    def metadata_inference(self) -> Iterator[None]:
+        """Wraps torch's stage initialization, which on the first step infers shapes by running the stages on
+        placeholder data. An override point; does nothing here."""
+        yield
+
+    def _initialize_stages(self, *args: Any, **kwargs: Any) -> None:
+        with self.metadata_inference():
+            super()._initialize_stages(*args, **kwargs)
+
+    def run_microbatches(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]] | None,
+        target_mbs: list[torch.Tensor],
+    ) -> None:
+        """Run this rank's action list once over micro-batches the caller split (any structure, not only
+        tensors, unlike torch's ``step``, which splits a batch itself)."""
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+            # torch checks every micro-batch's stage inputs and outputs against the inferred shapes only under
+            # TORCH_DISTRIBUTED_DEBUG=DETAIL; unchecked, an output of another shape reaches the next rank in a
+            # buffer of the inferred shape, partly stale: silently wrong (a forward-only step never notices)
+            stage._runtime_validate = True
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+
+
+@contextmanager
+def hooked_runtime(
+    runtime: PipelineScheduleRuntime,
+    *,
+    action_range: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+    p2p_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+    weight_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> Iterator[None]:
+    """For the duration of the block, route three points of torch's runtime through wrappers.
+
+    Each argument receives torch's original and returns its replacement: ``action_range`` wraps the
+    ``record_function("PP:<action>")`` range torch opens around every action, ``p2p_wait`` the wait for a
+    batch of point-to-point transfers, ``weight_wait`` the wait for a stage's weight all-gather
+    (``runtime._assert_unsharded``, on this runtime only). torch offers no callback at these points; the first
+    two are globals of ``torch.distributed.pipelining.schedules`` and are restored when the block ends.
+    """
+    originals = (_torch_schedules.record_function, _torch_schedules._wait_batch_p2p)
+    _torch_schedules.record_function = action_range(originals[0])
+    _torch_schedules._wait_batch_p2p = p2p_wait(originals[1])
+    runtime._assert_unsharded = weight_wait(runtime._assert_unsharded)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _torch_schedules.record_function, _torch_schedules._wait_batch_p2p = originals
+        del runtime._assert_unsharded
+
+
+def runtime_is_hooked() -> bool:
+    """Whether torch's runtime globals are replaced (tests: tracing hooks only traced steps, then restores)."""
+    return _torch_schedules.record_function is not _RECORD_FUNCTION or _torch_schedules._wait_batch_p2p is not _WAIT_P2P
+
+
+@contextmanager
+def instance_attributes(module: nn.Module, **attrs: Any) -> Iterator[None]:
+    """Give one module instance other attributes (e.g. ``forward``, ``log``) for the duration of the block.
+
+    Set with ``object.__setattr__`` because ``nn.Module.__setattr__`` would register a module or parameter
+    value and must not run here; removed from the instance ``__dict__`` afterwards, which uncovers the class's
+    own methods again.
+    """
+    for name, value in attrs.items():
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name in attrs:
+            module.__dict__.pop(name, None)
+
+
+class ReduceScatterOn(_FSDPReduceScatter):
+    """FSDP2's reduce-scatter issued on another process group over the same ranks (``set_custom_reduce_scatter``):
+    reductions running on a communication thread must not share a group with the gathers of the main thread,
+    or ranks could issue the two in different orders on one group."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+        return super().__call__(output_tensor, input_tensor, self.group, op, async_op)
+
+
+def fsdp_post_backward(module: Any, *, final: bool = True) -> None:
+    """What torch's ``REDUCE_GRAD`` does for an FSDP2 stage (``PipelineStage.perform_reduce_grad``): reduce the
+    gradients accumulated over the step's micro-batches and reshard. ``final=False`` leaves out the root's final
+    callback, which on CUDA makes the compute stream wait for the reduction (run it later with
+    :func:`fsdp_finish_backward`)."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = _fsdp_state_of(module)
+    for sub_state in state._state_ctx.all_states:
+        for group in sub_state._fsdp_param_groups:
+            group.post_backward()
+    if final:
+        state._root_post_backward_final_callback()
+
+
+def fsdp_finish_backward(module: Any) -> None:
+    """The root's end-of-backward callback: wait for the reductions (on the compute stream) and reset state."""
+    _fsdp_state_of(module)._root_post_backward_final_callback()
+
+
+def _fsdp_state_of(module: Any) -> Any:
+    if isinstance(module, ReplicateModule):
+        return replicate.state(module)
+    return fully_shard.state(module)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A 1-D DeviceMesh split into ``len(sizes)`` dimensions, row-major, sharing the root mesh (DeviceMesh's
+    private ``_unflatten``; creates the new dimensions' process groups, a collective over the world)."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameters by attribute name: ``nn.Module``'s registry itself, so assigning a slot
+    replaces the Parameter the module computes with (without ``__setattr__``'s re-registration)."""
+    return module._parameters  # type: ignore[return-value]
+
+
+def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffers by attribute name, writable like :func:`parameter_slots`."""
+    return module._buffers
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a ``transformers`` config selects (``"sdpa"``, ``"eager"``, …).
+
+    ``transformers`` has a public setter (``PreTrainedModel.set_attn_implementation``) but no public getter.
+    """
+    return config._attn_implementation
+
+
+def init_weights_as_model(model_class: type, config: Any, modules: Sequence[nn.Module]) -> None:
+    """Initialize ``modules`` in order with ``model_class``'s own ``_init_weights``, as ``model_class(config)``
+    does, without building the model (its other modules may be on the meta device or on other ranks)."""
+    initializer = model_class.__new__(model_class)
+    nn.Module.__init__(initializer)
+    initializer.config = config
+    with torch.no_grad():
+        for module in modules:
+            initializer._init_weights(module)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "_METADATA_FILENAME",
+    "PipelineRuntime",
+    "PipelineScheduleRuntime",
+    "ReduceScatterOn",
+    "TorchAction",
+    "TorchKind",
+    "add_send_recv",
+    "attn_implementation",
+    "buffer_slots",
+    "check_torch_version",
+    "default_store",
+    "format_torch_schedule",
+    "fsdp_finish_backward",
+    "fsdp_post_backward",
+    "hooked_runtime",
+    "init_weights_as_model",
+    "instance_attributes",
+    "parameter_slots",
+    "replicate",
+    "runtime_is_hooked",
+    "torch_version",
+    "tree_flatten",
+    "tree_unflatten",
+    "unflatten_mesh",
+]

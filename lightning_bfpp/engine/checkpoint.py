@@ -1,0 +1,653 @@
+"""Checkpoints that keep the module's own names and load under any pipeline or data-parallel layout.
+
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) folder holding ``"model"`` (each parameter and
+buffer under its fully-qualified name in the LightningModule) and ``"optimizer_<i>"`` (optimizer state
+keyed by parameter name, via ``flatten_optimizer_state_dict``: torch's default optimizer state dict keys
+param groups by list position, which is the same key with different contents on every pipeline rank, so
+DCP would keep one rank's and lose the others'), plus ``meta.pt`` with everything else Lightning saves
+(loops, callbacks, LR schedulers, hyper-parameters). DCP records global shapes, so a checkpoint written by
+one layout is read by any other: each rank asks for the names of its own stages, in its own sharding.
+The ``"model"`` key is the one Lightning's ``consolidate_checkpoint`` expects, so that tool turns the folder
+into one ordinary checkpoint file.
+
+Saving writes into ``<path>.tmp`` and swaps it in only after every rank has finished, so a crash while
+saving leaves the previous checkpoint untouched; a process killed between the swap's two renames leaves it
+as ``<path>.old``, which loading then falls back to (see :func:`resolve_path`). Every step that can fail on
+some ranks only (rank 0 writing ``meta.pt``, a file that one rank cannot read) shares its outcome with the
+other ranks before anyone goes on, so all ranks raise the same :class:`CheckpointError` instead of some
+waiting forever in the next collective. A checkpoint is checked against the module before anything is
+loaded: its files must be complete and its names and global shapes must be the module's.
+
+A parameter tied across pipeline stages (see :mod:`lightning_bfpp.engine.tied`) has one copy per stage; it is stored
+once, under its canonical name (the owner's, the name a one-device model's ``named_parameters()`` reports),
+for its value and its optimizer state, and every copy is restored from that entry. ``aliases`` (every other
+name of such a parameter -> its canonical name) says which names those are. ``meta.pt`` records them, so
+that :func:`consolidate` writes a file holding both names, as a one-device tied model's ``state_dict`` does.
+
+Data-loader states (torchdata's ``StatefulDataLoader``) differ between data-parallel replicas, since each
+reads its own share of the data; ``meta.pt`` keeps one per replica (:func:`gather_loader_states`) and each
+replica gets its own back (:func:`replica_loader_states`).
+
+This module is the engine side: it does not import Lightning; the strategy passes in what it needs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_bfpp.engine import agreement
+from lightning_bfpp.engine.agreement import AgreedError
+
+MODEL_KEY = "model"
+# Lightning's name for the non-tensor part (`lightning.fabric.utilities.load._METADATA_FILENAME`, checked in
+# tests/unit/test_checkpoint_files.py); its consolidate tool reads it
+METADATA_FILENAME = "meta.pt"
+# meta.pt's entry holding every data-parallel replica's data-loader states
+LOADER_STATES_KEY = "bfpp_loader_states"
+# meta.pt's entry naming the tied parameters' other names and their canonical names
+TIED_KEY = "bfpp_tied_parameters"
+_OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_LISTED = 6  # names shown per kind of mismatch
+
+
+class CheckpointError(AgreedError):
+    """A checkpoint cannot be written or read; raised on every rank at the same point, with the same message
+    (an agreed error: the failure watchdog does not treat it as one rank's crash)."""
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """This rank's parameters and buffers under their module names (DTensor shards, not gathered); a tied
+    parameter's other names (``aliases``) are left out: its owner stores it under the canonical name."""
+    state = get_model_state_dict(module)
+    return {k: v for k, v in state.items() if k not in aliases} if aliases else state
+
+
+def optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter name, so pipeline ranks never collide (tied copies'
+    other names left out, as in :func:`model_state`). Empty for an optimizer without parameter groups (a rank
+    whose stages hold nothing that trains, :class:`~lightning_bfpp.engine.frozen.NothingToTrain`)."""
+    if not optimizer.param_groups:
+        return {}
+    state = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+    if not aliases:
+        return state
+    return {k: v for k, v in state.items() if _optimizer_key_fqn(k)[1] not in aliases}
+
+
+def _optimizer_key_fqn(key: str) -> tuple[str, str, str]:
+    """A flattened optimizer key ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<name>`` as its three parts."""
+    kind, _, rest = key.partition(".")
+    fqn, _, name = rest.rpartition(".")
+    return kind, fqn, name
+
+
+def _canonical_key(key: str, aliases: Mapping[str, str], *, optimizer: bool) -> str:
+    if not optimizer:
+        return aliases.get(key, key)
+    kind, fqn, name = _optimizer_key_fqn(key)
+    return f"{kind}.{aliases[fqn]}.{name}" if fqn in aliases else key
+
+
+def to_canonical(
+    state: Mapping[str, Any], aliases: Mapping[str, str], *, optimizer: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A load request under canonical names, and each original key's key in it.
+
+    Several local names of one tied parameter (a copy on each of two local stages, or the owner's and a copy)
+    become one entry, read once; :func:`from_canonical` hands the loaded value back to each of them.
+    """
+    request: dict[str, Any] = {}
+    keys = {}
+    for key, value in state.items():
+        canonical = _canonical_key(key, aliases, optimizer=optimizer)
+        keys[key] = canonical
+        request.setdefault(canonical, value)
+    return request, keys
+
+
+def from_canonical(request: Mapping[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    """The loaded ``request`` under the original keys; a value shared by several keys is cloned for each but
+    the first, so that no two parameters (or optimizer states) end up sharing a tensor."""
+    state: dict[str, Any] = {}
+    used: set[str] = set()
+    for key, canonical in keys.items():
+        value = request[canonical]
+        if canonical in used and isinstance(value, torch.Tensor):
+            value = value.clone()
+        used.add(canonical)
+        state[key] = value
+    return state
+
+
+def with_tied_names(state_dict: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """Add each tied parameter's other names, pointing to the canonical entry's tensor (stored once by
+    ``torch.save``): what a one-device tied model's ``load_state_dict(strict=True)`` expects."""
+    for alias, canonical in aliases.items():
+        if alias not in state_dict and canonical in state_dict:
+            state_dict[alias] = state_dict[canonical]
+    return state_dict
+
+
+# -- every rank raises together ---------------------------------------------------------------------
+
+
+def raise_on_every_rank(error: BaseException | None, context: str) -> None:
+    """A collective: if any rank passes an error, every rank raises one :class:`CheckpointError` naming that
+    rank (:func:`lightning_bfpp.engine.agreement.raise_on_every_rank`)."""
+    agreement.raise_on_every_rank(error, context, CheckpointError)
+
+
+# -- saving ------------------------------------------------------------------------------------------
+
+
+def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_global_zero: bool) -> None:
+    """Write ``state`` with DCP and ``metadata`` to ``meta.pt``, then atomically put the folder at ``path``.
+
+    A collective. ``meta.pt`` is written by global rank 0 only, after every rank's tensors are on disk, and
+    its failure (or the swap's) reaches every rank through :func:`raise_on_every_rank`; before, rank 0
+    raised alone and the others waited in the next barrier forever.
+    """
+    staging = path.with_name(path.name + ".tmp")
+    context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
+    error: BaseException | None = None
+    if is_global_zero:
+        try:  # left over by a save that was killed
+            _remove(staging)
+        except Exception as failure:  # shared with every rank below
+            error = failure
+    raise_on_every_rank(error, context)
+    try:
+        dcp.save(state, checkpoint_id=staging)
+    except BaseException:
+        # DCP reports a failed write on every rank, so every rank gets here; the old checkpoint is intact
+        if is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if is_global_zero:
+        try:
+            _write_metadata(metadata, staging / METADATA_FILENAME)
+            context = f"BFPPStrategy could not put the new checkpoint in place at {path}"  # the swap may be half done
+            _swap_in(staging, path)
+        except Exception as failure:  # shared with every rank below
+            error = failure
+            shutil.rmtree(staging, ignore_errors=True)
+    raise_on_every_rank(error, context)
+
+
+def _write_metadata(metadata: dict[str, Any], file: Path) -> None:
+    torch.save(metadata, file)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def _swap_in(staging: Path, path: Path) -> None:
+    """Replace ``path`` by ``staging`` with two renames; at every instant a complete checkpoint exists.
+
+    A folder cannot replace a non-empty folder in one rename, so the previous checkpoint is moved to
+    ``<path>.old`` first; a process killed between the renames leaves it there, and :func:`resolve_path` reads
+    it. When ``path`` is missing (that kill happened before), ``<path>.old`` is the only complete checkpoint
+    and is kept until the new one is in place.
+    """
+    old = _old(path)
+    if path.exists():
+        _remove(old)  # ``path`` is complete, so an older ``.old`` is not needed
+        path.rename(old)  # until the next line, the previous checkpoint is readable as <path>.old
+    staging.rename(path)
+    _remove(old)
+
+
+def resolve_path(path: Path) -> tuple[Path, str | None]:
+    """The checkpoint to read for ``path``, and a warning when it is the one an interrupted save replaced.
+
+    Only a swap killed between its two renames leaves ``<path>.old`` without ``path``; ``.old`` is then the
+    previous checkpoint, complete. (``<path>.tmp`` may hold a newer, complete one, but nothing records that
+    every rank finished it; the next save discards it.)
+    """
+    if path.exists():
+        return path, None
+    old = _old(path)
+    if is_sharded_checkpoint(old):
+        return old, (
+            f"BFPPStrategy: {path} does not exist, but {old.name} beside it does: a save that replaced it was"
+            f" interrupted between its two renames. Resuming from {old}, the previous checkpoint (complete);"
+            " the next save at this path replaces it."
+        )
+    raise CheckpointError(f"BFPPStrategy cannot load {path}: it does not exist (nor {old.name} beside it).")
+
+
+# -- checking a checkpoint against the module --------------------------------------------------------
+
+Shapes = dict[str, tuple[int, ...] | None]
+
+
+def local_shapes(module: nn.Module, aliases: Mapping[str, str] | None = None) -> Shapes:
+    """Global shapes of this rank's parameters and buffers (a DTensor's ``shape`` is the global one), a tied
+    parameter's copies under its canonical name."""
+    aliases = aliases or {}
+    return {
+        aliases.get(name, name): tuple(t.shape) if isinstance(t, torch.Tensor) else None
+        for name, t in get_model_state_dict(module).items()
+    }
+
+
+def _listed(items: Sequence[str]) -> str:
+    return ", ".join(items[:_LISTED]) + (f", … ({len(items)} in all)" if len(items) > _LISTED else "")
+
+
+def _name_problems(stored: Shapes, expected: Shapes, *, strict: bool) -> list[str]:
+    problems = []
+    if strict:
+        if missing := sorted(set(expected) - set(stored)):
+            problems.append(f"it lacks the module's {_listed(missing)}")
+        if unexpected := sorted(set(stored) - set(expected)):
+            problems.append(f"it holds {_listed(unexpected)}, which the module does not have")
+    mismatched = [
+        f"{name} {list(stored[name])} vs {list(shape)}"  # type: ignore[arg-type]
+        for name, shape in sorted(expected.items())
+        if name in stored and shape is not None and stored[name] is not None and stored[name] != shape
+    ]
+    if mismatched:
+        problems.append(f"shapes differ (checkpoint vs module): {_listed(mismatched)}")
+    return problems
+
+
+_OTHER_MODEL = (
+    " It was saved from a different model: resume with this model's checkpoint, or load the weights that match"
+    " yourself (with `strict_loading = False` on the module, names may be missing or extra, but shapes must match)."
+)
+
+
+def check_sharded(path: Path, expected: Shapes, *, strict: bool) -> None:
+    """Refuse a DCP folder that is incomplete or was saved from another model, before anything is read.
+
+    Every rank passes the same folder and the whole module's ``expected`` shapes, so every rank raises the
+    same error. DCP would otherwise fail inside its collective load with a per-rank message (an unreadable
+    file) or a missing-key message that names no shape.
+    """
+    where = f"BFPPStrategy cannot load the checkpoint {path}"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{where}: it has no `.metadata`, so it is not a torch.distributed.checkpoint folder (or is an"
+            " incomplete copy of one). Pass a folder written by `trainer.save_checkpoint`/`ModelCheckpoint` under"
+            " BFPPStrategy, or a checkpoint file."
+        ) from None
+    except Exception as error:  # any unpickling error means the same
+        raise CheckpointError(
+            f"{where}: its `.metadata` is unreadable ({type(error).__name__}: {error}); the folder is truncated"
+            " or corrupt. Copy it again from where it was written, or resume from an earlier checkpoint."
+        ) from None
+    problems = []
+    if not (path / METADATA_FILENAME).is_file():
+        problems.append(
+            f"{METADATA_FILENAME} (Lightning's loop, callback and scheduler state, written last) is missing"
+        )
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    missing_files, short_files = [], []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            missing_files.append(name)
+        elif (have := file.stat().st_size) < size:
+            short_files.append(f"{name} ({have} of at least {size} bytes)")
+    if missing_files:
+        problems.append(f"data files missing: {_listed(missing_files)}")
+    if short_files:
+        problems.append(f"data files cut short: {_listed(short_files)}")
+    if problems:
+        raise CheckpointError(
+            f"{where}: the folder is incomplete: {'; '.join(problems)}. It was copied or written only in part;"
+            " copy it again from where it was written, or resume from an earlier checkpoint."
+        )
+    prefix = MODEL_KEY + "."
+    stored: Shapes = {
+        key[len(prefix) :]: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
+    }
+    if not stored:
+        raise CheckpointError(
+            f"{where}: it holds no `{MODEL_KEY}` entry; it was not written by BFPPStrategy or Lightning's FSDP"
+            " strategies."
+        )
+    if problems := _name_problems(stored, expected, strict=strict):
+        raise CheckpointError(f"{where}: {'; '.join(problems)}.{_OTHER_MODEL}")
+
+
+def check_full(
+    path: Path,
+    state_dict: Mapping[str, Any],
+    expected: Shapes,
+    *,
+    strict: bool,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a single-file checkpoint saved from another model (names, shapes), on every rank alike.
+
+    A one-device tied model's file holds a tied parameter under each of its names; they count as the canonical
+    one."""
+    aliases = aliases or {}
+    stored: Shapes = {
+        aliases.get(name, name): tuple(t.shape) if isinstance(t, torch.Tensor) else None
+        for name, t in state_dict.items()
+    }
+    if problems := _name_problems(stored, expected, strict=strict):
+        raise CheckpointError(f"BFPPStrategy cannot load the checkpoint {path}: {'; '.join(problems)}.{_OTHER_MODEL}")
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The top-level keys stored in a DCP folder (``"model"``, ``"optimizer_0"``, …)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool,
+    full_parameter_names: Sequence[str],
+    trained_parameter_names: Sequence[str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """Load a checkpoint into this rank's stages and optimizers; return the rest of it and a warning, if any.
+
+    A collective. ``path`` is a DCP folder written by :func:`save` (or its ``.old``, see
+    :func:`resolve_path`) or one ordinary file (e.g. from one device: each rank takes its slices). Every
+    check runs on every rank with the same inputs and any failure is shared before the next step, so a bad
+    checkpoint stops every rank with the same message and none waits for the others. ``aliases``: the tied
+    parameters' other names (see :mod:`lightning_bfpp.engine.tied`), every copy being restored from the canonical entry.
+    """
+    aliases = aliases or {}
+    context = f"BFPPStrategy could not load the checkpoint {path}"
+    error: BaseException | None = None
+    warning = None
+    try:
+        path, warning = resolve_path(path)
+    except CheckpointError as failure:
+        error = failure
+    gathered = agreement.gather_outcomes(error, context, local_shapes(module, aliases))
+    agreement.raise_shared([entry for entry, _ in gathered], error, CheckpointError)
+    expected: Shapes = {name: shape for _, shapes in gathered for name, shape in shapes.items()}
+    loaded: dict[str, Any] = {}
+    try:
+        if path.is_dir():
+            check_sharded(path, expected, strict=strict)
+        else:
+            loaded = _load_file(path, weights_only=weights_only)
+            check_full(path, loaded["state_dict"], expected, strict=strict, aliases=aliases)
+    except Exception as failure:  # shared with every rank below
+        error = failure
+    raise_on_every_rank(error, context)
+    if path.is_dir():
+        return _load_sharded(path, module, optimizers, strict=strict, aliases=aliases), warning
+    try:
+        load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
+        for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
+            load_full_optimizer(
+                module,
+                optimizer,
+                saved,
+                full_parameter_names,
+                trained_parameter_names=trained_parameter_names,
+                aliases=aliases,
+            )
+    except Exception as failure:  # shared with every rank below
+        error = failure
+    raise_on_every_rank(error, context)
+    return loaded, warning
+
+
+def _load_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except Exception as error:  # whatever the file holds, the fix is the same
+        raise CheckpointError(
+            f"BFPPStrategy cannot load {path}: it is not a checkpoint (torch.load failed with {type(error).__name__}:"
+            f" {str(error)[:200]}). Pass a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
+        ) from None
+    if not isinstance(loaded, dict) or "state_dict" not in loaded:
+        raise CheckpointError(
+            f"BFPPStrategy cannot load {path}: it holds no `state_dict` entry, so it is not a Lightning checkpoint."
+            " Pass a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
+        )
+    return loaded
+
+
+def _load_sharded(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    aliases: Mapping[str, str],
+) -> dict[str, Any]:
+    stored = checkpoint_keys(path)
+    model = get_model_state_dict(module)
+    if not strict:  # names the checked checkpoint lacks stay as they are
+        prefix = MODEL_KEY + "."
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+        model = {name: value for name, value in model.items() if aliases.get(name, name) in names}
+    # every copy of a tied parameter asks for the canonical entry (the only one stored)
+    request, model_keys = to_canonical(model, aliases)
+    state: dict[str, Any] = {MODEL_KEY: request}
+    optimizer_keys = []
+    for i, optimizer in enumerate(optimizers):
+        if optimizer_key(i) not in stored:
+            raise CheckpointError(
+                f"Trying to restore optimizer state but {path} holds none (saved with `save_weights_only=True`?);"
+                " load it with `Trainer.validate/test`, or fit without `ckpt_path` after loading the weights."
+            )
+        if not optimizer.param_groups:  # nothing that trains on this rank: no state to read
+            optimizer_keys.append(None)
+            continue
+        osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+        state[optimizer_key(i)], keys = to_canonical(osd, aliases, optimizer=True)
+        optimizer_keys.append(keys)
+    dcp.load(state, checkpoint_id=path)
+    model = from_canonical(state[MODEL_KEY], model_keys)
+    set_model_state_dict(module, model, options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        if optimizer_keys[i] is None:
+            continue
+        osd = from_canonical(state[optimizer_key(i)], optimizer_keys[i])
+        set_optimizer_state_dict(module, optimizer, osd, options=_OPTIMIZER_OPTIONS)
+    return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
+
+
+# -- data-loader states ------------------------------------------------------------------------------
+
+
+def gather_loader_states(
+    local: Any, *, data_parallel_rank: int, pipeline_rank: int, data_parallel_size: int, is_global_zero: bool
+) -> dict[str, Any] | None:
+    """Every data-parallel replica's loader states, on global rank 0 (``None`` elsewhere, or if there are none).
+
+    A collective. A replica's pipeline ranks read the same batches, so its pipeline rank 0 speaks for it.
+    Replicas differ: a sampler or an ``IterableDataset`` sharded by replica, or a dataset with its own state
+    (an augmentation generator, a shuffle buffer), is at another place in the data on each, so restoring
+    global rank 0's state everywhere would hand every replica rank 0's share.
+    """
+    entry = (data_parallel_rank, pipeline_rank, local)
+    if not (dist.is_available() and dist.is_initialized()):
+        gathered = [entry]
+    else:
+        gathered = [None] * dist.get_world_size() if is_global_zero else None
+        dist.gather_object(entry, gathered, dst=0)
+    if not is_global_zero or gathered is None:
+        return None
+    states: list[Any] = [None] * data_parallel_size
+    for replica, stage_rank, replica_states in gathered:
+        if stage_rank == 0:
+            states[replica] = replica_states
+    if all(not replica_states for replica_states in states):
+        return None
+    return {"data_parallel_size": data_parallel_size, "states": states}
+
+
+def replica_loader_states(
+    stored: Mapping[str, Any] | None, saved_by_rank_zero: Any, *, data_parallel_rank: int, data_parallel_size: int
+) -> tuple[Any, str | None]:
+    """This replica's loader states to restore (``None``: restore none), and a warning when none can be.
+
+    ``stored`` is what :func:`gather_loader_states` kept; without it (a checkpoint file from one process, or
+    from an older version) there is only ``saved_by_rank_zero``, one process's states. A state belongs to one
+    replica's share of the data under one replica count and cannot be split or merged for another, so under
+    another ``data_parallel_size`` nothing is restored and the epoch's data starts over, as with a plain
+    DataLoader, and the warning says so.
+    """
+    if not saved_by_rank_zero:
+        return None, None
+    if stored is None:
+        if data_parallel_size == 1:
+            return saved_by_rank_zero, None
+        saved, origin = 1, "one process's data-loader state (a single-file checkpoint)"
+    else:
+        saved = int(stored["data_parallel_size"])
+        if saved == data_parallel_size:
+            return stored["states"][data_parallel_rank], None
+        origin = f"one data-loader state per replica for data_parallel_size={saved}"
+    return None, (
+        f"BFPPStrategy: the checkpoint holds {origin}; this run has data_parallel_size={data_parallel_size}."
+        f" Each state is one replica's place in its share of the data and cannot be split or merged for"
+        f" {data_parallel_size} replicas, so the loader states are not restored: resumed mid-epoch, the epoch's"
+        " data starts over from its beginning, as with a plain DataLoader (Lightning still counts the batches"
+        " already trained, so the epoch ends that many batches early). Resume with"
+        f" data_parallel_size={saved} for an exact resume."
+    )
+
+
+def load_full_weights(
+    module: nn.Module,
+    full_state: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Copy full (single-device) tensors into this rank's parameters and buffers, slicing shards locally.
+
+    Names of other ranks' layers are ignored; with ``strict``, every local name must be present. A tied
+    parameter's copy missing under its own name is read from its canonical name.
+    """
+    aliases = aliases or {}
+    own = module.state_dict()
+    full_state = {**{a: full_state[c] for a, c in aliases.items() if c in full_state}, **full_state}
+    missing = [name for name in own if name not in full_state]
+    if strict and missing:
+        listed = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise RuntimeError(f"The checkpoint lacks {len(missing)} of this rank's tensors: {listed}")
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in full_state:
+                continue
+            source = full_state[name].to(device=target.device, dtype=target.dtype)
+            if isinstance(target, DTensor):
+                # every rank holds the full tensor: slice locally (src_data_rank=None), no communication
+                shard = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(source)
+
+
+def load_full_optimizer(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    saved: Mapping[str, Any],
+    full_parameter_names: Sequence[str],
+    *,
+    trained_parameter_names: Sequence[str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Load a single-device optimizer state (``optimizer.state_dict()`` of the whole model) into this rank.
+
+    torch keys such a state by parameter position; positions map to names through the whole model's
+    parameter order, which is unambiguous for an optimizer with one parameter group over ``self.parameters()``
+    (the common case) or over the parameters that train (``trained_parameter_names``: LoRA's and frozen layers'
+    usual optimizer). Several groups are refused rather than guessed. A tied parameter's copies all take the
+    state stored for it, under its canonical name.
+    """
+    aliases = aliases or {}
+    if not optimizer.param_groups:  # nothing that trains on this rank
+        return
+    groups = saved["param_groups"]
+    if len(groups) != 1 or len(optimizer.param_groups) != 1:
+        raise RuntimeError(
+            "Resuming a single-device checkpoint's optimizer state under BFPPStrategy is supported for one"
+            f" parameter group; this one has {len(groups)}. Load the weights before fitting instead"
+            " (`Net.load_from_checkpoint(path)` or `model.load_state_dict(...)`), or resume from a checkpoint"
+            " saved by BFPPStrategy."
+        )
+    positions = groups[0]["params"]
+    # an optimizer over every parameter, or over those that train (`AdamW(p for p in ... if p.requires_grad)`,
+    # LoRA's and frozen layers' usual optimizer), both in the module's parameter order
+    names = full_parameter_names
+    if len(positions) != len(names) and trained_parameter_names is not None:
+        names = trained_parameter_names
+    if len(positions) != len(names):
+        trained = "" if trained_parameter_names is None else f" ({len(trained_parameter_names)} that train)"
+        raise RuntimeError(
+            f"The checkpoint's optimizer covers {len(positions)} parameters, the model has"
+            f" {len(full_parameter_names)}{trained}; it was saved for a different model."
+        )
+    by_name = {name: saved["state"].get(pos) for name, pos in zip(names, positions, strict=True)}
+    by_name.update({alias: by_name.get(canonical) for alias, canonical in aliases.items()})
+    local_names = {id(p): n for n, p in module.named_parameters()}
+    names = [local_names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    # two local copies of a tied parameter must not share state tensors (each is updated in place)
+    states = {n: _cloned(by_name[n]) if n in aliases else by_name[n] for n in names if by_name.get(n) is not None}
+    osd = {
+        "state": states,
+        "param_groups": [{**hyper, "params": names}],
+    }
+    set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def _cloned(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -1,0 +1,517 @@
+"""One pipelined step: micro-batches in, the user's step out, on the right ranks.
+
+:class:`Pipeline` owns this rank's stage modules and the schedules built over them. Per step it splits the
+batch, gets the first stage's input from the user's step, runs the schedule through its executor
+(:mod:`lightning_bfpp.engine.executors`), and on the last stage hands each micro-batch's output to the user's step.
+The user's step comes as :class:`StepCode` callbacks (a LightningModule's step methods:
+:class:`lightning_bfpp.adapter.user_step.LightningStep`), so this module imports no Lightning.
+Training and evaluation use separate schedule objects (evaluating on the training schedule would reduce
+and rescale gradients), each built once per batch shape: torch's stages fix their tensor shapes on first
+use, so a new shape (typically the smaller last batch) gets stages of its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_bfpp.engine._compat import PipeliningMetadataError, tree_flatten
+from lightning_bfpp.engine.agreement import (
+    StepFailure,
+    agree_on_shape,
+    rank_name,
+)
+from lightning_bfpp.engine.executors import BuildRequest, Executor
+from lightning_bfpp.engine.loss import BatchGradients, item_sum
+from lightning_bfpp.engine.microbatch import (
+    batch_digest,
+    batch_signature,
+    batch_size,
+    microbatch_count,
+    split_microbatches,
+)
+from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
+from lightning_bfpp.engine.runtime import PlannedSchedule
+from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.engine.tied import TiedParameters
+from lightning_bfpp.engine.trace import StepTracer
+from lightning_bfpp.engine.weight_passing import WeightPassingRunner
+from lightning_bfpp.plan.partition import StagePlan
+from lightning_bfpp.plan.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
+
+# schedules kept per step kind and batch shape: each holds its stages' receive buffers for every micro-batch, so
+# batches padded to their own length should come in a few lengths (e.g. `pad_to_multiple_of=8` in the collator)
+_MAX_CACHED_SCHEDULES = 16
+
+
+class StepCode(Protocol):
+    """The user's step, as the pipeline calls it (for a LightningModule: :class:`lightning_bfpp.adapter.user_step.
+    LightningStep`). ``capture`` runs it on the first stage up to the model call and returns that call's
+    ``(args, kwargs)``, the pipeline's input; ``finish`` runs it on the last stage with the model call returning
+    ``output`` (one micro-batch's pipeline output), its logged values going to ``recorder``; ``loss`` reads the
+    loss from what it returned; ``running`` is entered while any of it runs."""
+
+    def capture(self, step_name: str, microbatch: Any, step_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict]: ...
+
+    def running(self) -> AbstractContextManager[Any]: ...
+
+    def new_recorder(self) -> Any: ...
+
+    def finish(
+        self, step_name: str, microbatch: Any, step_args: tuple[Any, ...], output: Any, recorder: Any
+    ) -> Any: ...
+
+    def loss(self, step_output: Any, step_name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class StepResult:
+    """What one pipelined step produced on this rank (losses and outputs exist on last-stage ranks only)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    # the step's logged values on the last stage (the step code's recorder)
+    recorder: Any = None
+    num_microbatches: int = 0
+    step_name: str = ""
+    # the user's step failed here: input capture (first stage), loss or logging (last stage)
+    failure: StepFailure = field(default_factory=StepFailure)
+    # the batch's shape and micro-batch count, digested and described; every rank of a pipeline must run the same
+    batch_digest: int = 0
+    batch_description: str = ""
+    # a digest of the batch's contents (see microbatch.batch_digest): the pipeline's ranks must hold the same batch
+    content_digest: torch.Tensor | None = None
+    # last stage, training: each micro-batch's item count where the step returned `mean_over_items` (else None)
+    item_counts: list[torch.Tensor | None] = field(default_factory=list)
+
+    def loss_and_items(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's share of the step loss: the micro-batches' mean loss, or for a :func:`mean_over_items`
+        step the summed loss and the summed item count (divided by the global count once counts are shared)."""
+        if not self.losses:
+            return None, None
+        if self.item_counts and all(c is not None for c in self.item_counts):
+            return torch.stack(self.losses).sum(), torch.stack(self.item_counts).sum()  # type: ignore[arg-type]
+        return torch.stack(self.losses).mean(), None
+
+
+@dataclass
+class _ActiveStep:
+    step_name: str
+    microbatches: list[Any]
+    step_args: tuple[Any, ...]
+    train: bool
+    loss_scale: float
+    result: StepResult
+    seeds: list[int]
+    # the batch's scale alone (e.g. 1 / accumulate_grad_batches): a `mean_over_items` sum is not divided by m
+    batch_scale: float = 1.0
+
+
+class Pipeline:
+    """This rank's stages of a LightningModule, and the schedules that run them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_plan: StagePlan,
+        stage_modules: Sequence[nn.Module],
+        mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        schedule: str,
+        sharding: str,
+        num_microbatches: int,
+        microbatch_group_size: int | None = None,
+        prefetch_stages: int = 1,
+        base_seed: int = 0,
+        executor: Executor,
+        step_code: StepCode,
+        agreement_timeout: float | None = None,
+        tied: TiedParameters | None = None,
+    ) -> None:
+        self.module = module
+        self.plan = stage_plan
+        self.stage_modules = list(stage_modules)
+        self.mesh = mesh
+        self.device = device
+        self.schedule_name = schedule
+        self.sharding = sharding
+        self.num_microbatches = num_microbatches
+        self.microbatch_group_size = microbatch_group_size
+        self.prefetch_stages = prefetch_stages
+        self.pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
+        self.local_stages = stage_plan.stages_of(self.pipeline_rank)
+        self.holds_first_stage = 0 in self.local_stages
+        self.holds_last_stage = stage_plan.num_stages - 1 in self.local_stages
+        self.data_parallel_size = mesh[DATA_PARALLEL].size()
+        self.data_parallel_rank = mesh[DATA_PARALLEL].get_local_rank()
+        self.rank_label = rank_name(pipeline_rank=self.pipeline_rank, data_parallel_rank=self.data_parallel_rank)
+        # the global ranks that run this rank's batches (its pipeline), which must agree on every batch
+        pipeline_group = mesh[PIPELINE_PARALLEL].get_group()
+        self.pipeline_group = pipeline_group
+        self.pipeline_ranks = dist.get_process_group_ranks(pipeline_group) if dist.is_initialized() else [0]
+        # every pipeline's global ranks (the step's exchange checks each pipeline's batches on every rank)
+        ranks = mesh.mesh
+        pp_dim = mesh.mesh_dim_names.index(PIPELINE_PARALLEL)  # type: ignore[union-attr]
+        self.pipelines = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+        # None until the first training step shows whether the step normalises by item counts
+        self.normalizes_items: bool | None = None
+        # whether this accumulation window's batches are normalised by their item counts one by one
+        self._per_batch_window: bool | None = None
+        self.batch_gradients = BatchGradients([p for p in module.parameters() if p.requires_grad])
+        # the random draws of a step before `self(...)` are seeded from this (see lightning_bfpp.engine.random_state)
+        self.base_seed = base_seed
+        # how this rank runs a step's actions: its stages on torch's runtime, or weight passing (executors.py)
+        self.executor = executor
+        # copies of parameters tied across stages, whose gradients are summed after a reducing backward
+        self.tied = tied
+        # how long the check before a new schedule waits for every rank (None: the process group's timeout)
+        self.agreement_timeout = agreement_timeout
+        # the user's step (input capture, loss and logging): the caller's, e.g. a LightningModule's step methods
+        self.step_code = step_code
+        # True while the user's step code runs here; collectives called then are refused (see user_step)
+        self.running_user_code = False
+        self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule | WeightPassingRunner] = OrderedDict()
+        self._active: _ActiveStep | None = None
+        self._schedule_in_use: PlannedSchedule | WeightPassingRunner | None = None
+        self._warned_microbatches: set[tuple[int, int]] = set()
+        # the kinds of step (training or not, reducing or not) a schedule was built for: the first is built by
+        # every rank in the same step (see _agree_before_schedule)
+        self._built_kinds: set[tuple[bool, bool]] = set()
+
+    # -- plans -------------------------------------------------------------------------------------
+
+    def compute_schedule(self, train: bool, num_microbatches: int) -> Schedule:
+        p, v = self.plan.pipeline_parallel_size, self.plan.stages_per_rank
+        if train and num_microbatches == self.num_microbatches:
+            compute = generate(self.schedule_name, p, v, num_microbatches, self.microbatch_group_size)
+        elif train:
+            # a smaller batch split into fewer micro-batches: keep the schedule if it allows that count, else
+            # run this batch breadth-first (the order changes nothing in the result, only the timing)
+            try:
+                compute = generate(self.schedule_name, p, v, num_microbatches)
+            except ValueError:
+                compute = breadth_first(p, v, num_microbatches)
+        else:
+            compute = forward_only(p, v, num_microbatches)
+        validate(compute, p, v, num_microbatches, backward=train)
+        return compute
+
+    def lowered_schedule(self, train: bool, num_microbatches: int, *, reduce_grads: bool = True) -> Schedule:
+        compute = self.compute_schedule(train, num_microbatches)
+        if self.data_parallel_size == 1:
+            return compute  # nothing to gather or reduce: the stages are plain modules (see shard_stage)
+        return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads, prefetch=self.prefetch_stages)
+
+    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> PlannedSchedule | WeightPassingRunner:
+        """The schedule for a step's kind, micro-batch count, batch shape and whether it reduces gradients:
+        built once, kept in a least-recently-used cache."""
+        train, num_microbatches, _, reduce_grads = key
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            self._schedules.move_to_end(key)
+        else:
+            if len(self._schedules) >= _MAX_CACHED_SCHEDULES:
+                self._schedules.popitem(last=False)
+            schedule = self.executor.build(
+                BuildRequest(
+                    self.stage_modules,
+                    self.local_stages,
+                    self.plan.num_stages,
+                    self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads),
+                    num_microbatches,
+                    self._loss_fn,
+                    train,
+                )
+            )
+            self._schedules[key] = schedule
+        return schedule
+
+    # -- a step ------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        step_name: str,
+        batch: Any,
+        step_args: tuple[Any, ...],
+        *,
+        train: bool,
+        loss_scale: float = 1.0,
+        tracer: StepTracer | None = None,
+        step_key: Sequence[int] = (),
+        last_batch: bool = False,
+        reduce_grads: bool = True,
+        set_aside_grads: bool = False,
+    ) -> StepResult:
+        """Run ``module.<step_name>(microbatch, *step_args)`` through the pipeline for every micro-batch.
+
+        ``loss_scale`` multiplies the batch's loss (e.g. ``1 / accumulate_grad_batches``); each micro-batch's
+        loss is further divided by the number of micro-batches, so gradients are the batch mean's.
+        ``step_key`` says where the step is (e.g. epoch and batch index): with the micro-batch index and the
+        data-parallel rank it seeds the step's random draws, identically on the first and the last stage.
+        ``last_batch`` marks the loader's last batch, which may be smaller (see :func:`microbatch_count`).
+        ``reduce_grads=False`` (a batch of a gradient-accumulation window before its last) runs the schedule
+        without its gradient reductions: FSDP2 keeps adding to the unsharded gradients until a step reduces.
+        ``set_aside_grads`` takes the gradients accumulated so far off the parameters for the step (see
+        :class:`lightning_bfpp.engine.loss.BatchGradients`; the caller finishes it once the item counts are shared).
+
+        An error in the user's code on some ranks (input capture on the first stage, the loss and logging on
+        the last) is raised on every rank as :class:`AgreedError` at the next point where all ranks meet: the
+        check before a new schedule is built (over the pipeline's ranks), else the one collective after the
+        schedule (the logged-value sync), which also compares the pipeline's batch shapes and contents
+        (``StepResult.batch_digest``, ``StepResult.content_digest``). A step whose schedule is already built
+        has no collective before it. Shapes may differ between replicas and between steps (batches padded to
+        their own longest sequence): each pipeline builds a schedule per shape, without the other replicas.
+        """
+        self._prefetch_first_stage()
+        failure = StepFailure()
+        num_microbatches, microbatches, signature = 0, [], None
+        seeds: list[int] = []
+        inputs: tuple[list[Any], list[Any]] | None = None
+        content = None
+        try:
+            num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
+            microbatches = split_microbatches(batch, num_microbatches)
+            signature = batch_signature(batch)
+            content = batch_digest(batch)
+            seeds = [
+                derive_seed(self.base_seed, (*step_key, self.data_parallel_rank, i)) for i in range(num_microbatches)
+            ]
+            if self.holds_first_stage:
+                captured = []
+                for i, mb in enumerate(microbatches):
+                    with self.user_code(seeds[i]):
+                        captured.append(self.step_code.capture(step_name, mb, step_args))
+                inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
+        except Exception as error:
+            failure.record(error, self.rank_label)
+        key = (train, num_microbatches, signature, reduce_grads or not train)
+        cached = self._schedules.get(key)
+        if cached is None or (failure.error is not None and self.holds_first_stage and cached.last_inputs is None):
+            # a schedule not built yet (first step, new batch shape): every rank checks before building one
+            kind = (train, reduce_grads or not train)
+            self._agree_before_schedule(
+                step_name, signature, num_microbatches, failure, everywhere=kind not in self._built_kinds
+            )
+            self._built_kinds.add(kind)
+        schedule = self._schedule_for(key)
+        if self.holds_first_stage:
+            if failure.error is None:
+                schedule.last_inputs = inputs
+            else:
+                # The capture failed here, but the other ranks are already in the schedule (checking first would
+                # cost a collective every step): run it on the inputs it last ran on, then raise the capture's
+                # error on every rank after it, before any optimizer step.
+                inputs = schedule.last_inputs
+        result = StepResult(
+            num_microbatches=num_microbatches,
+            step_name=step_name,
+            failure=failure,
+            recorder=self.step_code.new_recorder(),
+        )
+        result.batch_digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
+        result.content_digest = content
+        result.batch_description = (
+            f"{self.rank_label} got {signature[1] if signature is not None else None} in {num_microbatches}"
+        )
+        if self.holds_last_stage:
+            result.losses = [torch.zeros(())] * num_microbatches
+            result.outputs = [None] * num_microbatches
+            result.item_counts = [None] * num_microbatches
+        scale = loss_scale / num_microbatches
+        if train and set_aside_grads:
+            self.batch_gradients.set_aside()
+        self._active = _ActiveStep(step_name, microbatches, step_args, train, scale, result, seeds, loss_scale)
+        self._schedule_in_use = schedule
+        targets = [torch.tensor(i) for i in range(num_microbatches)]
+        arg_mbs, kwarg_mbs = inputs if inputs is not None else (None, None)
+        try:
+            with tracer.recording(schedule) if tracer is not None else nullcontext():
+                schedule.run(arg_mbs, kwarg_mbs, targets)
+        except PipeliningMetadataError as error:
+            raise RuntimeError(shape_varies_message(error, step_name)) from error
+        finally:
+            self._active = None
+            if train and self.executor.waits_at_end:
+                # the gradients are complete only now, before clipping and the optimizer step
+                start = tracer.now() if tracer is not None else 0.0
+                self.executor.finish()
+                if tracer is not None:  # what of the overlapped reductions was still left to wait for
+                    tracer.add("reduce", start, tracer.now())
+        if train and reduce_grads and self.tied:
+            # the tied copies' gradients are complete (reduced over replicas) only now: sum them over the tie,
+            # once per optimizer step (an accumulation window's last batch), before clipping and the step
+            self.tied.sum_gradients()
+        if train and self.holds_last_stage and failure.error is None:
+            normalized = {count is not None for count in result.item_counts}
+            if len(normalized) > 1:
+                failure.record(
+                    RuntimeError(
+                        f"BFPPStrategy: `{step_name}` returned `mean_over_items(...)` for some micro-batches and a"
+                        " plain loss for others. Return the same kind of loss for every batch."
+                    ),
+                    self.rank_label,
+                )
+        return result
+
+    def reduces_each_batch(self, *, window_start: bool) -> bool:
+        """Whether this training batch reduces its gradients on its own, apart from what the accumulation window
+        holds: for a ``mean_over_items`` step (or one not seen yet), to divide them by the batch's item count
+        afterwards (:meth:`normalize_gradients`). Decided per window: a window's batches are either all
+        reduced on their own or all accumulated."""
+        if window_start or self._per_batch_window is None:
+            self._per_batch_window = self.normalizes_items is not False
+        return self._per_batch_window
+
+    def normalize_gradients(self, items: float | None, replicas: int, *, accumulating: bool) -> None:
+        """Divide a ``mean_over_items`` batch's gradients by its global item count (see lightning_bfpp.engine.loss).
+
+        The step backpropagated each micro-batch's summed loss, and the data-parallel reduction divided the
+        gradients by the number of replicas: ``replicas / items`` makes them the global batch's item mean.
+        """
+        if items is not None and not self._per_batch_window and accumulating:
+            raise RuntimeError(
+                "BFPPStrategy: `training_step` returned `mean_over_items(...)` after earlier steps returned a plain"
+                " loss, inside a gradient-accumulation window. Return the same kind of loss for every batch."
+            )
+        if self.normalizes_items is None:
+            self.normalizes_items = items is not None
+        self.batch_gradients.finish(None if items is None else replicas / max(items, 1.0))
+
+    def _prefetch_first_stage(self) -> None:
+        """Start gathering the weights of this rank's first stage (the first one every schedule visits) now,
+        so that the gather overlaps the step's host-side preparation: splitting the batch, capturing the
+        model's input, the ranks' agreement. The schedule's own UNSHARD then finds it in flight and waits for
+        it where the weights are needed. Only this one stage, so at most two stages are ever unsharded at
+        once under ``full_shard``, as before.
+        """
+        if self.data_parallel_size == 1 or self.prefetch_stages == 0:
+            return
+        self.executor.prefetch_first(self.stage_modules, self.sharding)
+
+    @contextmanager
+    def user_code(self, seed: int) -> Iterator[None]:
+        """Where the user's step code runs: forked random state, collectives refused."""
+        with ExitStack() as stack:
+            stack.enter_context(forked_random_state(seed, self.device))
+            stack.enter_context(self.step_code.running())
+            self.running_user_code = True
+            stack.callback(setattr, self, "running_user_code", False)
+            yield
+
+    def _loss_fn(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
+        assert self._schedule_in_use is not None
+        if self._schedule_in_use.inferring_metadata:
+            # torch runs one forward/backward on placeholder data to learn shapes; user code must not see it
+            return _placeholder_loss(output)
+        active = self._active
+        assert active is not None
+        failure = active.result.failure
+        if failure.error is not None:
+            return _placeholder_loss(output)  # the step already failed here; finish the schedule, then raise
+        i = int(microbatch_index)
+        try:
+            with self.user_code(active.seeds[i]):
+                step_output = self.step_code.finish(
+                    active.step_name, active.microbatches[i], active.step_args, output, active.result.recorder
+                )
+            if not active.train:
+                active.result.outputs[i] = step_output
+                return torch.zeros((), device=self.device)
+            loss = self.step_code.loss(step_output, active.step_name)
+        except Exception as error:
+            # raising here would leave the other ranks waiting for this stage's gradients: let the schedule
+            # finish on a zero loss, and raise on every rank once they meet (see logged_values.LoggedValueSync)
+            failure.record(error, self.rank_label)
+            return _placeholder_loss(output)
+        items = item_sum(loss)
+        if items is not None:
+            # backpropagate the sum; the gradients are divided by the global item count after the step
+            active.result.losses[i] = items.total.detach()
+            active.result.item_counts[i] = items.count
+            return items.total * active.batch_scale
+        active.result.losses[i] = loss.detach()
+        return loss * active.loss_scale
+
+    def microbatches_for(self, batch: Any, *, last_batch: bool = False, step_name: str = "training_step") -> int:
+        """How many micro-batches this batch is split into: ``num_microbatches``, except for a smaller last batch."""
+        size = batch_size(batch)
+        count = microbatch_count(size, self.num_microbatches, last_batch=last_batch)
+        if count != self.num_microbatches and (size, count) not in self._warned_microbatches:
+            self._warned_microbatches.add((size, count))
+            warnings.warn(
+                f"BFPPStrategy: the last batch of the {step_name.replace('_step', '')} loader has {size} samples,"
+                f" which num_microbatches={self.num_microbatches} does not divide; it runs as {count} micro-batches"
+                f" of {size // count}. The result is exact, only the pipeline is less busy for this batch"
+                " (`drop_last=True` in the DataLoader avoids it).",
+                stacklevel=2,
+            )
+        return count
+
+    def _agree_before_schedule(
+        self, step_name: str, signature: Any, num_microbatches: int, failure: StepFailure, *, everywhere: bool
+    ) -> None:
+        """One exchange before a schedule is built for a new kind of step or batch shape: did the batch split or
+        the input capture fail, and do the ranks of each pipeline run the same shape?
+
+        The first schedule of a kind of step (the first training step, the first validation step) is built by
+        every rank in the same step, so ``everywhere`` they meet and an error is raised on every rank. A later new
+        shape may be one replica's alone (batches padded to their own longest sequence; the schedule's shape
+        inference runs without data-parallel collectives, see :class:`lightning_bfpp.engine.runtime.PlannedSchedule`):
+        then only the pipeline's ranks meet, an error is raised on them as :class:`PipelineAgreedError`, and the
+        failure watchdog stops the other replicas' processes.
+
+        Ranks building their stages for different shapes would issue different transfers and hang; a capture
+        error on the first stage would leave every other rank waiting for its activations. Steps that reuse a
+        built schedule skip this (see :meth:`run`), so the ranks cannot all be relied on to come: if they do
+        not within ``agreement_timeout`` seconds (a rank whose batch shape differs from its pipeline's), this
+        rank raises, and the failure watchdog stops the others.
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        agree_on_shape(
+            step_name,
+            (signature, num_microbatches),
+            failure,
+            group=None if everywhere else self.pipeline_group,
+            size=world if everywhere else len(self.pipeline_ranks),
+            # row i of the exchange is global rank i (everywhere) or the pipeline's i-th rank
+            pipelines=self.pipelines if everywhere else [list(range(len(self.pipeline_ranks)))],
+            world_size=world,
+            device=self.device,
+            timeout=self.agreement_timeout,
+            rank_label=self.rank_label,
+            shape=f"{signature[1] if signature is not None else None} in {num_microbatches}",
+        )
+
+
+def shape_varies_message(error: BaseException, step_name: str) -> str:
+    """torch's refusal of a stage input or output whose shape is not the one inferred for the batch, with why
+    and what to do (torch checks every micro-batch against the first: see ``PipelineRuntime.run_microbatches``).
+    """
+    return (
+        f"BFPPStrategy: {error}. A stage's input or output has another shape in one micro-batch than in the others"
+        f" of the same batch (in `{step_name}`). Batches may change shape from step to step, but the pipeline"
+        " sends the micro-batches of one batch in buffers of one shape, so every micro-batch must give the same"
+        " shapes: pad in the DataLoader's collate function (to the batch's longest sequence, not each"
+        " micro-batch's), and do not cut data-dependent lengths (e.g. trailing padding) inside a layer or in the"
+        " step before `self(...)`."
+    )
+
+
+def _placeholder_loss(output: Any) -> torch.Tensor:
+    leaves = [
+        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        return torch.zeros((), requires_grad=True)
+    return sum(t.sum() for t in leaves) * 0.0  # type: ignore[return-value]

@@ -1,0 +1,344 @@
+"""Measure this machine for the planner: its links, and the pipeline runtime's own costs.
+
+``python -m lightning_bfpp.plan calibrate --devices 4 --out cluster.json`` measures, at that many processes
+(gloo on CPU, NCCL on GPUs):
+
+- **links**: ping-pong transfers between two processes, and all-gathers, reduce-scatters and all-reduces within
+  a group of ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed +
+  bytes / bandwidth`` (the reductions' bandwidths as ratios to the all-gathers'); the other processes stay
+  idle, as most ranks' links are during a real step. One machine only shows its intra-node links; the
+  inter-node bandwidth is written equal to them unless given;
+- **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 5 and
+  10 ms, :mod:`~lightning_bfpp.measure.emulated`) on all the processes in two layouts, the second with 4× more
+  schedule actions per rank, three times each, alternating. What the two layouts' median step times have
+  beyond the simulated ones gives the host cost per schedule action and per step (Python, the step's
+  collective, Lightning's loop), which grow with the process count and are what the simulation would
+  otherwise miss on small layers. The layers are long
+  enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
+  layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
+  for the cores (180 ms per step instead of about 10).
+
+Every process runs one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets by default): several
+processes sharing a few cores, each with a thread per core, make any host-side op on an activation spin
+against the others, a cost of milliseconds per MiB that a GPU's host never pays and that moved the
+emulated runs' steps by up to a quarter at 1 MiB activations.
+
+The result is a :class:`~lightning_bfpp.plan.cluster.Cluster`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_bfpp.measure.emulated import EmulatedModel
+from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.costs import ModelProfile
+from lightning_bfpp.plan.simulate import PlanConfig, simulate
+
+# the runtime calibration's model: sleeping layers, long enough that the processes' host work does not saturate
+# a few shared cores (the host waits on the device, as on accelerators), short enough for a quick run
+RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
+
+SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``t = a + b·x``; returns (a, 1/b)."""
+    xs, ts = zip(*points, strict=True)
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    slope = sum((x - mx) * (t - mt) for x, t in points) / sum((x - mx) ** 2 for x in xs)
+    return max(mt - slope * mx, 0.0), 1.0 / slope
+
+
+def _time(fn, repeats: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # as the training processes (run_emulated): gloo's CPU work is not oversubscribed
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    group = dist.new_group(list(range(group_size)))
+    p2p, gather, reduce, all_reduced = [], [], [], []
+    for nbytes in SIZES:
+        buf = torch.zeros(nbytes // 4, device=device)
+
+        def ping_pong(buf: torch.Tensor = buf) -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        p2p.append((nbytes, _time(ping_pong, repeats, cuda) / 2))
+        shard = torch.zeros(nbytes // 4 // group_size, device=device)
+        full = torch.zeros(shard.numel() * group_size, device=device)
+
+        def all_gather(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
+            if rank < group_size:
+                dist.all_gather_single(full, shard, group=group)
+
+        def reduce_scatter(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
+            if rank < group_size:
+                dist.reduce_scatter_tensor(shard, full, group=group)
+
+        def all_reduce(full: torch.Tensor = full) -> None:
+            if rank < group_size:
+                dist.all_reduce(full, group=group)
+
+        gather.append((full.numel() * 4, _time(all_gather, repeats, cuda)))
+        reduce.append((full.numel() * 4, _time(reduce_scatter, repeats, cuda)))
+        all_reduced.append((full.numel() * 4, _time(all_reduce, repeats, cuda)))
+    if rank == 0:
+        timings = {"p2p": p2p, "all_gather": gather, "reduce_scatter": reduce, "all_reduce": all_reduced}
+        Path(out).write_text(json.dumps(timings))
+    dist.destroy_process_group()
+
+
+def calibrate(
+    devices: int,
+    group_size: int = 2,
+    memory_bytes: int | None = None,
+    inter_node_bandwidth: float | None = None,
+    repeats: int = 10,
+    runtime: bool = True,
+) -> tuple[Cluster, dict[str, list[tuple[int, float]]]]:
+    """Measure ``devices`` local processes; return the cluster and the raw timings.
+
+    ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only: seconds, where the
+    runtime's six emulated training jobs take minutes).
+    """
+    if devices < 2 or not 2 <= group_size <= devices:
+        raise ValueError("calibration needs at least 2 devices and a group size between 2 and the device count")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "timings.json")
+        mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size), nprocs=devices)
+        timings = json.loads(Path(out).read_text())
+    latency, p2p_bw = _fit([(b, t) for b, t in timings["p2p"]])
+    # ring collectives of B bytes over n ranks: fixed + (n−1)/n · B / bandwidth (all-gather, reduce-scatter),
+    # fixed + 2·(n−1)/n · B / bandwidth (all-reduce); each fitted on its own (gloo sums on the host: its
+    # reduce-scatters take about twice an all-gather's time), the per-call cost from the all-gathers
+    n = group_size
+    fixed, bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["all_gather"]])
+    _, reduce_bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["reduce_scatter"]])
+    _, all_reduce_bandwidth = _fit([(2 * (n - 1) / n * b, t) for b, t in timings["all_reduce"]])
+    if memory_bytes is None:
+        memory_bytes = (
+            torch.cuda.get_device_properties(0).total_memory
+            if torch.cuda.is_available()
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+        )
+    cluster = Cluster(
+        num_devices=devices,
+        devices_per_node=devices,
+        memory_bytes=int(memory_bytes),
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=inter_node_bandwidth or bandwidth,
+        latency_s=latency,
+        p2p_bandwidth_ratio=p2p_bw / bandwidth,
+        collective_overhead_s=max(fixed - (n - 1) * latency, 0.0),
+        reduce_bandwidth_ratio=reduce_bandwidth / bandwidth,
+        all_reduce_bandwidth_ratio=all_reduce_bandwidth / bandwidth,
+    )
+    if runtime:
+        cluster, costs = measure_runtime(devices, cluster)
+        timings["runtime"] = costs  # type: ignore[assignment]
+    return cluster, timings
+
+
+def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
+    """Two layouts over all ``devices`` that differ only in actions per rank (``2·v·m``: 4× in the second)."""
+    if devices < 2 or RUNTIME_MODEL.layers % (2 * devices):
+        raise ValueError(
+            f"the runtime calibration runs {RUNTIME_MODEL.layers} layers as 2 stages per process, which"
+            f" {devices} processes do not divide; calibrate at a power of two up to 8, or pass runtime=False"
+        )
+    return (
+        PlanConfig("breadth_first", devices, 1, 2, devices, 1),
+        PlanConfig("breadth_first", devices, 1, 2, 4 * devices, 1),
+    )
+
+
+def measure_runtime(
+    devices: int, links: Cluster, steps: int = 12, rounds: int = 3
+) -> tuple[Cluster, list[dict[str, Any]]]:
+    """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
+
+    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own, ``rounds`` times,
+    the two configurations alternating; its median step time (after the first, which also infers shapes),
+    the median over its rounds, less the simulated one (this machine's links, the emulated layers' measured
+    sleeps) is the runtime's cost, fitted as a cost per step and per action charged as the simulation
+    charges them (:func:`cost_weights`, :func:`fit_runtime_costs`). One round of each moved the fitted
+    cost per action by a fifth between calibrations at 8 processes on 2 cores (3.2 against 3.8 ms), enough
+    to put predictions with many actions per rank 11–13% off; alternating rounds spread the machine's drift
+    over both configurations, and the median drops a disturbed job.
+    """
+    from lightning_bfpp.measure.emulated import EmulatedNet
+    from lightning_bfpp.measure.profile import profile_module
+
+    if rounds < 1:
+        raise ValueError(f"measure_runtime needs at least one round, got {rounds}")
+    profile = profile_module(EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),), repeats=7)
+    profile = replace(profile, optimizer_state_ratio=0.0)
+    configs = runtime_configs(devices)
+    runs: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            runs[i].append(run_emulated(config, RUNTIME_MODEL, steps, devices))
+    rows = [
+        {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
+         "rounds_s": measured, **cost_weights(config, profile, links)}
+        for config, measured in zip(configs, runs, strict=True)
+    ]  # fmt: skip
+    per_action, per_step = fit_runtime_costs(rows)
+    return replace(links, action_overhead_s=per_action, step_overhead_s=per_step), rows
+
+
+def cost_weights(config: PlanConfig, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:
+    """The simulated step of ``config`` without runtime costs, and how much it grows per second of runtime cost
+    per action (``action_weight``: about the actions on the critical path) and per step (``step_weight``).
+
+    The fit must charge the costs as the simulation will: every action on the critical path pays the cost per
+    action, and with ``p`` ranks that path holds about ``2(m·v + p − 1)`` actions, not a rank's ``2·m·v``.
+    Fitting against a rank's own count put the cost per action about 12% high (3.44 against 3.06 ms on the
+    same 8-process measurements).
+    """
+    base = simulate(config, profile, links).step_time
+    per_action = simulate(config, profile, replace(links, action_overhead_s=probe_s)).step_time
+    per_step = simulate(config, profile, replace(links, step_overhead_s=probe_s)).step_time
+    return {
+        "simulated_s": base,
+        "action_weight": (per_action - base) / probe_s,
+        "step_weight": (per_step - base) / probe_s,
+    }
+
+
+def fit_runtime_costs(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """``(per action, per step)`` seconds, neither below 0, from two runs' measured and simulated steps: the
+    measured excess is ``step_weight × per_step + action_weight × per_action`` (see :func:`cost_weights`;
+    without weights, one per step and ``actions`` per rank). Where the exact solution has a negative cost,
+    that cost is 0 and the other is the least-squares fit over both runs."""
+    extra = [r["measured_s"] - r["simulated_s"] for r in rows]
+    a = [r.get("action_weight", r["actions"]) for r in rows]
+    b = [r.get("step_weight", 1.0) for r in rows]
+    det = a[0] * b[1] - a[1] * b[0]
+    if abs(det) < 1e-12:
+        raise ValueError("the two runs must differ in how their steps grow with the cost per action and per step")
+    per_action = (extra[0] * b[1] - extra[1] * b[0]) / det
+    per_step = (a[0] * extra[1] - a[1] * extra[0]) / det
+    if per_step < 0:
+        per_action, per_step = _least_squares(a, extra), 0.0
+    elif per_action < 0:
+        per_action, per_step = 0.0, _least_squares(b, extra)
+    return max(per_action, 0.0), max(per_step, 0.0)
+
+
+def _least_squares(weights: list[float], extra: list[float]) -> float:
+    """The ``x`` minimising ``Σ (weight·x − extra)²``."""
+    return sum(w * e for w, e in zip(weights, extra, strict=True)) / sum(w * w for w in weights)
+
+
+def run_emulated(
+    config: PlanConfig, model: EmulatedModel, steps: int, devices: int, processes_per_node: int | None = None
+) -> float:
+    """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s).
+
+    ``processes_per_node`` lays the processes out as nodes of that many (hybrid sharding, weight passing)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # one intra-op thread per process, as torchrun sets: with the default (every core per process) a host-side
+    # op on an activation (the emulated layer's add, a loss) spins all processes' threads against each other
+    # and costs milliseconds per MiB, which an accelerator's host never pays
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        job = {
+            "config": asdict(config),
+            "model": asdict(model),
+            "steps": steps,
+            "devices": devices,
+            "processes_per_node": processes_per_node,
+        }
+        cmd = [sys.executable, "-m", "lightning_bfpp.measure.calibrate", json.dumps(job), str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the emulated run {config.describe()} failed:\n{proc.stderr[-3000:]}")
+        return float(json.loads(out.read_text())["step_time"])
+
+
+def _train_emulated(job: dict[str, object], out: Path) -> None:
+    """One emulated training job (``run_emulated``'s child process): Lightning starts the other processes."""
+    import lightning as L
+
+    from lightning_bfpp import BFPPStrategy
+    from lightning_bfpp.measure.emulated import EmulatedNet, emulated_loader
+
+    config = PlanConfig(**job["config"])  # type: ignore[arg-type]
+    model = EmulatedModel(**job["model"])  # type: ignore[arg-type]
+    steps = int(job["steps"])  # type: ignore[call-overload]
+    starts: list[float] = []
+
+    class StepTimes(L.Callback):
+        def on_train_batch_start(self, *args: object) -> None:
+            starts.append(time.perf_counter())
+
+        def on_train_end(self, *args: object) -> None:
+            starts.append(time.perf_counter())
+
+    weight_passing = config.schedule == "weight_passing"  # sets the layout itself: one chunk per rank
+    strategy = BFPPStrategy(
+        pipeline_parallel_size=None if weight_passing else config.pipeline_parallel_size,
+        stages_per_rank="auto" if weight_passing else config.stages_per_rank,
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule,
+        sharding=config.sharding,
+        microbatch_group_size=config.microbatch_group_size,
+        processes_per_node=job.get("processes_per_node"),  # type: ignore[arg-type]
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=job["devices"], strategy=strategy,
+        max_steps=steps, callbacks=[StepTimes()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    # every replica gets `steps` full batches (the sampler splits the data set over the replicas)
+    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps * config.data_parallel_size))
+    if trainer.global_rank == 0:
+        durations = [b - a for a, b in itertools.pairwise(starts)][1:]
+        out.write_text(json.dumps({"step_time": statistics.median(durations), "steps": durations}))
+
+
+if __name__ == "__main__":
+    _train_emulated(json.loads(sys.argv[1]), Path(sys.argv[2]))
