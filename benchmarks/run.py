@@ -4,6 +4,7 @@
     python -m benchmarks.run --full                      # three interleaved rounds, longer, variants: ~10 min
     python -m benchmarks.run --quick --only a/bfpp       # one job (or a group: --only a), well under a minute
     python -m benchmarks.run --full --rounds 6 --only a/bfpp,a/bfpp_hand   # (d) on (a), round by round: 2 min
+    python -m benchmarks.run --quick --only z            # zero-bubble group (z): only runs when named
 
 Writes ``results.md`` (tables, the four judged ratios, the command, the date and the machine as measured),
 ``results.png`` and ``results.json`` to ``--out`` (default ``docs/benchmarks``; with ``--only``,
@@ -44,7 +45,8 @@ def _select(all_jobs: list[Job], only: str | None) -> list[Job]:
     chosen = [j for j in all_jobs if j.name in wanted or j.group in wanted]
     if not chosen:
         names = ", ".join(j.name for j in all_jobs)
-        raise SystemExit(f"--only {only!r} matches no job; groups are a, b, c; jobs are: {names}")
+        groups = ", ".join(dict.fromkeys(j.group for j in all_jobs))
+        raise SystemExit(f"--only {only!r} matches no job; groups are {groups}; jobs are: {names}")
     return chosen
 
 
@@ -57,7 +59,7 @@ def _with_knobs(job: Job, settings: list[str]) -> Job:
         if spec is None or knob not in spec.__dataclass_fields__ or not value:
             fields = ", ".join(f"{m}.{f}" for m in ("emulated", "gpt") for f in getattr(job, m).__dataclass_fields__)
             raise SystemExit(f"--set {setting!r}: expected MODEL.KNOB=VALUE with one of {fields}")
-        kind = type(getattr(spec, knob))
+        kind = type(getattr(spec, knob)) if getattr(spec, knob) is not None else float  # weight_grad_ms: None
         job = replace(job, **{model: replace(spec, **{knob: kind(value)})})
     return job
 
@@ -99,7 +101,9 @@ def main() -> None:
     mode.add_argument("--quick", action="store_true", help="every configuration once, 5 timed steps each")
     mode.add_argument("--full", action="store_true", help="three interleaved rounds of 10 timed steps, and variants")
     mode.add_argument("--replot", action="store_true", help="only draw results.png again from --out's results.json")
-    parser.add_argument("--only", help="comma-separated job names or groups (a, b, c), e.g. 'a/bfpp' or 'b'")
+    parser.add_argument(
+        "--only", help="comma-separated job names or groups (a, b, c; z only when named), e.g. 'a/bfpp' or 'b'"
+    )
     parser.add_argument("--out", type=Path, help="where results.md/png/json go (default: docs/benchmarks)")
     parser.add_argument(
         "--rounds",
@@ -117,7 +121,9 @@ def main() -> None:
         _replot(out)
         return
     raw = REPO / "runs/benchmarks/raw"
-    selected = [_with_knobs(job, args.set) for job in _select(configs.jobs(full=args.full), args.only)]
+    # the optional groups (z) are there to be named by --only; a run of everything leaves them out
+    all_jobs = configs.jobs(full=args.full, optional=bool(args.only))
+    selected = [_with_knobs(job, args.set) for job in _select(all_jobs, args.only)]
     rounds = args.rounds or (3 if args.full else 1)
 
     load_before = os.getloadavg()

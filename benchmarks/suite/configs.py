@@ -10,11 +10,16 @@
     measured in the same run, before and after the pipelined runs.
 (d) Lightning's overhead: bfpp through Lightning against the same lowered schedule driven by hand, on (a)'s
     layout and on (c)'s.
+
+(z), run only when asked (``--only z``): bfpp's zero-bubble ``breadth_first_zb`` against its ``breadth_first``
+    and torch's zero-bubble schedules, on emulated layers whose backward is split into input and weight
+    gradients of the forward's time (p=4 v=2 m=4, without and with ``full_shard`` over dp=2), and on (c)'s GPT.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 
 from benchmarks.suite.report import Row, Spread
@@ -24,12 +29,16 @@ TITLES = {
     "a": "(a) emulated, p=4 v=2 m=4, no data parallelism",
     "b": "(b) emulated, p=2 v=4 m=2, 16 × 2M fp32 params, dp=2",
     "c": "(c) real compute: small GPT, 1 thread per process",
+    "z": "(z) zero-bubble: emulated, p=4 v=2 m=4, forward = input-gradient = weight-gradient time (and dp=2, GPT)",
 }
+OPTIONAL_GROUPS = ("z",)  # not in a plain --quick / --full: selected by name (--only z)
 
 # (a): 16 layers of 5 ms forward, 10 ms backward per micro-batch; small weights and activations
 EMULATED_A = Emulated(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
 # (b): the same times, 2M fp32 parameters (8 MiB) per layer: sharded communication matters
 EMULATED_B = replace(EMULATED_A, param_numel=2_000_000)
+# (z): 16 layers of 5 ms forward, 5 ms input gradient, 5 ms weight gradient, split in two autograd nodes
+EMULATED_Z = replace(EMULATED_A, backward_ms=5.0, weight_grad_ms=5.0)
 GPT = GPTSpec(layers=8, dim=128, heads=4, block_size=16)
 GPT_MICROBATCH = 32
 GPT_PIPE = dict(p=2, v=2, m=8)  # (c)'s pipeline layout
@@ -38,8 +47,9 @@ STAGE_COMPUTE = "bfpp's two ranks' own stages, each rank alone (no communication
 STAGE_COMPUTE_ONE = f"{STAGE_COMPUTE}, one micro-batch's activations alive at a time"
 
 
-def jobs(full: bool) -> list[Job]:
-    """Every job of a mode, in the order they run (full mode: the same list, three rounds, plus variants)."""
+def jobs(full: bool, optional: bool = False) -> list[Job]:
+    """Every job of a mode, in the order they run (full mode: the same list, three rounds, plus variants);
+    ``optional`` adds the groups of :data:`OPTIONAL_GROUPS`, which run only when selected by name."""
     a = dict(group="a", processes=4, p=4, v=2, m=4, emulated=EMULATED_A)
     a_flat = dict(a, v=1)  # non-looped schedules: 4 layers per stage
     b = dict(group="b", processes=4, p=2, v=4, m=2, dp=2, emulated=EMULATED_B)
@@ -96,10 +106,33 @@ def jobs(full: bool) -> list[Job]:
                               **c_pipe))
         group_b.insert(3, Job("b/bfpp_shard_grad_op", kind="bfpp", label="bfpp shard_grad_op (Lightning)",
                               **dict(b, sharding="shard_grad_op")))
-    listed = group_a + group_b + group_c
+    listed = group_a + group_b + group_c + (_group_z() if optional else [])
     # fmt: on
     warmup, steps = (4, 10) if full else (2, 5)  # full: three warm-up steps read peak memory (instrument.PeakMemory)
     return [j if j.kind == "independent" else j.with_steps(warmup, steps) for j in listed]
+
+
+def _group_z() -> list[Job]:
+    """(z): bfpp's ``breadth_first_zb`` against ``breadth_first`` (each setting's reference) and torch's schedules."""
+    z = dict(group="z", processes=4, p=4, v=2, m=4, emulated=EMULATED_Z)
+    z_dp = dict(z, processes=8, dp=2, sharding="full_shard", timeout_s=300.0)  # 8 processes on the cores: slow start
+    z_gpt = dict(group="z", model="gpt", gpt=GPT, microbatch_size=GPT_MICROBATCH, processes=2, **GPT_PIPE)
+    zb = dict(kind="bfpp", schedule="breadth_first_zb")
+    # fmt: off
+    return [
+        Job("z/bfpp", kind="bfpp", label="bfpp breadth_first (Lightning)", reference=True, **z),
+        Job("z/bfpp_zb", label="bfpp breadth_first_zb (Lightning)", **zb, **z),
+        Job("z/InterleavedZeroBubble", kind="torch", label="torch InterleavedZeroBubble",
+            schedule="InterleavedZeroBubble", **z),
+        Job("z/ZBVZeroBubble", kind="torch", label="torch ZBVZeroBubble (stages in a V)", schedule="ZBVZeroBubble",
+            **z),
+        Job("z/Interleaved1F1B", kind="torch", label="torch Interleaved1F1B", schedule="Interleaved1F1B", **z),
+        Job("z/bfpp_dp2", kind="bfpp", label="bfpp breadth_first (Lightning)", reference=True, **z_dp),
+        Job("z/bfpp_zb_dp2", label="bfpp breadth_first_zb (Lightning)", **zb, **z_dp),
+        Job("z/gpt_bfpp", kind="bfpp", label="bfpp breadth_first (Lightning)", reference=True, **z_gpt),
+        Job("z/gpt_bfpp_zb", label="bfpp breadth_first_zb (Lightning)", **zb, **z_gpt),
+    ]
+    # fmt: on
 
 
 def capacity_row(rows: list[Row], processes: int = 2) -> Row | None:
@@ -296,4 +329,29 @@ def targets(rows: list[Row]) -> list[str]:
             )
         else:
             lines.append(f"- **(d)** on {layout} layout: not measured in this run.")
+    return lines + _zero_bubble_lines(step, bound)
+
+
+def _zero_bubble_lines(step: Callable[[str], float | None], bound: Callable[[str], float | None]) -> list[str]:
+    """(z)'s ratio of interest, ``breadth_first_zb`` step over ``breadth_first`` step, per setting that ran both
+    (no target: the group runs only when asked); nothing when (z) did not run."""
+    lines: list[str] = []
+    for suffix, setting in (("", "p=4 v=2 m=4, emulated"), ("_dp2", "p=4 v=2 m=4 `full_shard` dp=2, emulated")):
+        bf, zb = step(f"z/bfpp{suffix}"), step(f"z/bfpp_zb{suffix}")
+        if not (bf and zb):
+            continue
+        bf_bound, zb_bound = bound(f"z/bfpp{suffix}"), bound(f"z/bfpp_zb{suffix}")
+        expected = f", the bounds' ratio {zb_bound / bf_bound:.3f}" if bf_bound and zb_bound else ""
+        torch_zb = [(ms, name) for name in ("InterleavedZeroBubble", "ZBVZeroBubble") if (ms := step(f"z/{name}"))]
+        peers = "".join(f"; torch {name} takes {ms / zb:.3f}× its step" for ms, name in torch_zb if not suffix)
+        lines.append(
+            f"- **(z)** {setting}: bfpp `breadth_first_zb` takes **{zb / bf:.3f}×** `breadth_first`'s step"
+            f" ({zb:.0f} ms against {bf:.0f} ms{expected}){peers}."
+        )
+    bf, zb = step("z/gpt_bfpp"), step("z/gpt_bfpp_zb")
+    if bf and zb:
+        lines.append(
+            f"- **(z)** small GPT at (c)'s layout: bfpp `breadth_first_zb` takes **{zb / bf:.3f}×** `breadth_first`'s"
+            f" step ({zb:.1f} ms against {bf:.1f} ms)."
+        )
     return lines

@@ -5,7 +5,10 @@ tensors flow (the weight is gathered and its gradient reduced by FSDP2, the acti
 ranks), as ``lightning_bfpp/measure/emulated.py``'s do; here the time scales with the rows a layer receives, so that a
 data-parallel-only run, whose ranks each take a larger share of the global batch, is charged for it, and the
 time slept is counted (:data:`benchmarks.suite.instrument.COUNTERS`). A sleeping process leaves the cores to
-the others: several processes behave like several devices, on two cores.
+the others: several processes behave like several devices, on two cores. With ``Emulated.weight_grad_ms`` set,
+the backward is split into an input-gradient and a weight-gradient node
+(:func:`lightning_bfpp.measure.emulated.split_sleep`), so that zero-bubble schedules' ``I`` and ``W`` actions
+each take their own time.
 
 Each model is described by :class:`ModelParts`: its pipeline layers, a batch maker and the loss, which the
 hand-driven workers use directly and the Lightning modules wrap.
@@ -28,6 +31,7 @@ from torch.utils.data import DataLoader
 from benchmarks.suite.instrument import COUNTERS, MEMORY
 from benchmarks.suite.spec import Emulated, GPTSpec, Job
 from examples.train_gpt import GPT, SortDigits
+from lightning_bfpp.measure.emulated import split_sleep
 
 
 class _Sleep(torch.autograd.Function):
@@ -56,18 +60,29 @@ def _sleep(seconds: float) -> None:
     COUNTERS.nominal_s += seconds
 
 
+def _sleep_and_sample(seconds: float) -> None:
+    """The split layer's sleep: counted, and memory sampled after it as :class:`_Sleep` samples it."""
+    _sleep(seconds)
+    MEMORY.sample()
+
+
 class SleepLayer(nn.Module):
-    """One emulated layer: ``forward_ms`` / ``backward_ms`` per ``microbatch_size`` rows, ``param_numel`` weights."""
+    """One emulated layer: ``forward_ms`` / ``backward_ms`` per ``microbatch_size`` rows, ``param_numel`` weights;
+    with ``weight_grad_ms`` also ``weight_grad_ms``, the backward split in input and weight gradient."""
 
     def __init__(self, spec: Emulated, microbatch_size: int) -> None:
         super().__init__()
         self.forward_s, self.backward_s = spec.forward_ms / 1e3, spec.backward_ms / 1e3
+        self.weight_grad_s = None if spec.weight_grad_ms is None else spec.weight_grad_ms / 1e3
         self.microbatch_size = microbatch_size
         self.weight = nn.Parameter(torch.zeros(spec.param_numel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = x.shape[0] / self.microbatch_size
-        return _Sleep.apply(x, self.weight, self.forward_s * scale, self.backward_s * scale)
+        if self.weight_grad_s is None:
+            return _Sleep.apply(x, self.weight, self.forward_s * scale, self.backward_s * scale)
+        times = self.forward_s * scale, self.backward_s * scale, self.weight_grad_s * scale
+        return split_sleep(x, self.weight, *times, sleep=_sleep_and_sample)
 
 
 @dataclass

@@ -174,11 +174,12 @@ def _intervals(record: dict[str, Any]) -> list[float]:
 
 
 def add_ratios(rows: list[Row], jobs: dict[str, Job]) -> None:
-    """Each row's median step over its group's reference (bfpp) row, where both train the same global batch."""
-    references = {r.group: r for r in rows if jobs[r.name].reference and r.ok}
+    """Each row's median step over its group's reference (bfpp) row that trains the same global batch (a group may
+    hold several settings, each with its own reference, told apart by their global batches)."""
+    references = {(r.group, r.global_rows): r for r in rows if jobs[r.name].reference and r.ok}
     for row in rows:
-        ref = references.get(row.group)
-        if ref is not None and row.ok and ref.global_rows == row.global_rows and row.step_ms and ref.step_ms:
+        ref = references.get((row.group, row.global_rows))
+        if ref is not None and row.ok and row.step_ms and ref.step_ms:
             row.ratio_to_reference = row.step_ms.median / ref.step_ms.median
 
 

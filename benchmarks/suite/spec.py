@@ -15,8 +15,12 @@ from typing import Any, Literal
 
 Kind = Literal["bfpp", "bfpp_hand", "torch", "fsdp", "independent", "stage_compute", "collectives"]
 # torch.distributed.pipelining schedule classes the "torch" kind can drive (ScheduleX without the prefix)
-TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B", "gpipe", "1f1b")
+# torch's zero-bubble schedules: their orders have no closed-form bound here (see bound_s)
+TORCH_ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# placed in a V (rank r holds stages r and 2p − 1 − r, exactly two per rank) instead of looping
+V_SCHEDULES = ("ZBVZeroBubble",)
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,9 @@ class Emulated:
 
     Times are per layer and per micro-batch of the job's ``microbatch_size`` samples, and scale with the rows a
     layer actually receives (a rank of a data-parallel-only run that gets two micro-batches' worth of samples
-    takes twice as long), as an accelerator past its small-batch regime does.
+    takes twice as long), as an accelerator past its small-batch regime does. ``weight_grad_ms`` set splits the
+    backward in two autograd nodes, as zero-bubble schedules split it: ``backward_ms`` is then the input-gradient
+    time and ``weight_grad_ms`` the weight-gradient time (a full backward takes both); ``None`` is one node.
     """
 
     layers: int = 16
@@ -33,10 +39,21 @@ class Emulated:
     backward_ms: float = 10.0
     param_numel: int = 16_384  # fp32 values per layer: what FSDP gathers and reduces
     activation_numel: int = 4096  # fp32 values per sample at each layer boundary: what the pipeline sends
+    weight_grad_ms: float | None = None
+
+    @property
+    def times_s(self) -> tuple[float, float, float]:
+        """Forward, input-gradient and weight-gradient seconds per layer (an unsplit backward: all input)."""
+        return self.forward_ms / 1e3, self.backward_ms / 1e3, (self.weight_grad_ms or 0.0) / 1e3
 
     def describe(self) -> str:
+        backward = (
+            f"{self.backward_ms:g} ms bwd"
+            if self.weight_grad_ms is None
+            else f"{self.backward_ms:g} ms input grad + {self.weight_grad_ms:g} ms weight grad"
+        )
         return (
-            f"{self.layers} layers × ({self.forward_ms:g} ms fwd + {self.backward_ms:g} ms bwd per micro-batch,"
+            f"{self.layers} layers × ({self.forward_ms:g} ms fwd + {backward} per micro-batch,"
             f" {_size(4 * self.param_numel)} params, {_size(4 * self.activation_numel)} activations per sample)"
         )
 
@@ -140,21 +157,45 @@ class Job:
 def bound_s(job: Job) -> float | None:
     """The step time of ``job``'s layout with free communication and no runtime cost (emulated models only).
 
-    Pipelines: ``(m·v + p − 1)·(f + b)`` with ``f``, ``b`` one stage's forward and backward time per
-    micro-batch (``L / (p·v)`` layers), the breadth-first fill and drain; for ``m < p`` every loop waits for its
-    first micro-batch to come round, ``(m·v + v·(p − m) + m − 1)·(f + b)``. ``v = 1`` gives GPipe's and 1F1B's
-    ``(m + p − 1)·(f + b)``. Data parallelism alone has no bubble: a rank's own samples through every layer.
+    ``f``, ``i``, ``w`` are one stage's forward, input-gradient and weight-gradient time per micro-batch
+    (``L / (p·v)`` layers; an unsplit layer's backward counts as ``i`` with ``w = 0``), ``b = i + w``.
+
+    Pipelines: ``(m·v + p − 1)·(f + b)``, the breadth-first fill and drain; for ``m < p`` every loop waits for
+    its first micro-batch to come round, ``(m·v + v·(p − m) + m − 1)·(f + b)``; both are ``S·(f + b)`` with
+    ``S = p − 1 + max(m·v, p·v + m − p)`` slots. ``v = 1`` gives GPipe's and 1F1B's ``(m + p − 1)·(f + b)``.
+
+    bfpp's ``breadth_first_zb`` (every forward sweep, then the input-gradient sweeps; weight gradients only
+    after their own input gradient): the last rank ends its forwards at ``T = S·f`` at the earliest, and rank 0's
+    first input gradient comes down ``p − 1`` ranks later, after which it still has all its ``v·m`` input and
+    weight gradients, ``T + (p − 1)·i + v·m·(i + w)``; its last loop (stage 0) cannot start before the input
+    gradients' chain, ``p·v − 1`` of them, has reached it, and then takes ``m·(i + w)``:
+    ``max(T + (p − 1)·i + v·m·(i + w), T + (p·v − 1 + m)·i + m·w)``. For ``m ≥ p`` the first term wins:
+    ``v·m·(f + i + w) + (p − 1)·(f + i)``, which is ``3·v·m + 2·(p − 1)`` units when ``f = i = w``. It bounds
+    every order that keeps the sweeps, and the schedule reaches it at ``f = i = w``.
+
+    torch's zero-bubble schedules (``TORCH_ZERO_BUBBLE``) get no bound: their orders (ZB1P with the idle slots it
+    inserts, ZB-V padded to ``2p − 1`` micro-batches) are not closed forms of the layout, and the bounds above are
+    not theirs (ZB1P interleaves input gradients with forwards, so it is not held to the sweeps: replayed with free
+    communication and ``f = i = w`` at p=4 v=2 m=4, torch 2.13's orders take 27 units for ZB1P and 30 for ZB-V,
+    against ``breadth_first_zb``'s 30 and ``breadth_first``'s 33). Data parallelism alone has no bubble: a rank's
+    own samples through every layer.
     """
     if job.model != "emulated" or job.kind in ("independent", "stage_compute", "collectives"):
         return None
+    if job.kind == "torch" and job.schedule in TORCH_ZERO_BUBBLE:
+        return None
     e = job.emulated
-    per_layer = (e.forward_ms + e.backward_ms) / 1e3
+    f, i, w = e.times_s
     if job.kind == "fsdp":
-        return job.m * e.layers * per_layer
+        return job.m * e.layers * (f + i + w)
     p, v, m = job.p, job.v, job.m
-    stage = per_layer * e.layers / (p * v)
-    slots = m * v + p - 1 if m >= p else m * v + v * (p - m) + m - 1
-    return slots * stage
+    layers_per_stage = e.layers / (p * v)
+    slots = p - 1 + max(m * v, p * v + m - p)
+    if job.kind in ("bfpp", "bfpp_hand") and job.schedule == "breadth_first_zb":
+        forwards = slots * f
+        zero_bubble = max(forwards + (p - 1) * i + v * m * (i + w), forwards + (p * v - 1 + m) * i + m * w)
+        return zero_bubble * layers_per_stage
+    return slots * (f + i + w) * layers_per_stage
 
 
 def _size(nbytes: float) -> str:

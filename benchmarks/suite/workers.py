@@ -9,8 +9,9 @@ same loss and optimizer, and mark their steps with the same :class:`~benchmarks.
   ``lightning_bfpp.engine.sharding.shard_stage`` and executed by
   ``lightning_bfpp.engine.runtime.PlannedSchedule``, driven
   by a plain loop: Lightning's share of the step is the difference with ``bfpp``;
-- ``torch``: ``torch.distributed.pipelining``'s own schedule classes over the same stages, with FSDP2 applied
-  directly when there is data parallelism: ``fully_shard(stage, reshard_after_forward=False)``, torchtitan's
+- ``torch``: ``torch.distributed.pipelining``'s own schedule classes over the same stages (placed as each class
+  places them: looping, or in a V for ``ScheduleZBVZeroBubble``), with FSDP2 applied directly when there is
+  data parallelism: ``fully_shard(stage, reshard_after_forward=False)``, torchtitan's
   choice under pipelining, so that the runtime's UNSHARD / RESHARD actions decide, or FSDP2's default
   (``True``: every micro-batch's forward gathers the stage again);
 - ``fsdp``: Lightning's ``ModelParallelStrategy`` (FSDP2 per layer, no pipeline), each rank on its share of the
@@ -50,7 +51,7 @@ from torch.distributed.pipelining import PipelineStage
 from benchmarks.suite import collectives
 from benchmarks.suite.instrument import MEMORY, StepClock
 from benchmarks.suite.models import ModelParts, lightning_module, model_parts, train_loader
-from benchmarks.suite.spec import SINGLE_STAGE_SCHEDULES, Job
+from benchmarks.suite.spec import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, Job
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
@@ -157,12 +158,22 @@ class _Stages:
         self.pipeline_rank = self.mesh[PIPELINE_PARALLEL].get_local_rank()
         self.data_parallel_rank = self.mesh[DATA_PARALLEL].get_local_rank()
         self.num_stages = job.p * job.v
-        self.indices = rank_stages(self.pipeline_rank, job.p, job.v)
+        self.indices = stage_indices(job, self.pipeline_rank)
         stages = _cut(parts, self.num_stages)
         self.modules: list[nn.Module] = [stages[s] for s in self.indices]
         parts.layers.clear()  # drop the other ranks' layers
         self.first = 0 in self.indices
         self.last = self.num_stages - 1 in self.indices
+
+
+def stage_indices(job: Job, pipeline_rank: int) -> list[int]:
+    """The stages ``pipeline_rank`` holds: looping (``r, r + p, …``), or for torch's V schedules ``r`` and
+    ``2p − 1 − r`` (``ScheduleZBVZeroBubble`` maps stages so, and needs exactly two per rank)."""
+    if job.kind == "torch" and job.schedule in V_SCHEDULES:
+        if job.v != 2:
+            raise ValueError(f"torch's {job.schedule} places exactly 2 stages per rank in a V; the job has v={job.v}")
+        return [pipeline_rank, 2 * job.p - 1 - pipeline_rank]
+    return list(rank_stages(pipeline_rank, job.p, job.v))
 
 
 class _Spans:

@@ -200,7 +200,11 @@ class LoggedValueSync:
         """
         specs = values = None
         loss, items = result.loss_and_items()
-        if pipeline.holds_last_stage and result.failure.error is None:
+        # the last stage's tensor ranks hold the same values: tensor rank 0's count once per replica
+        speaks = pipeline.holds_last_stage and pipeline.tensor_rank == 0
+        if not speaks:
+            loss = items = None
+        if speaks and result.failure.error is None:
             try:
                 specs, values = combine_microbatches(
                     result.recorder.records, module, on_step_by_default=result.step_name == "training_step"

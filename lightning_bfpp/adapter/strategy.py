@@ -60,6 +60,7 @@ from lightning_bfpp.engine.sharding import (
     build_mesh,
     data_parallel_mesh,
     second_data_parallel_group,
+    tensor_parallel_mesh,
 )
 from lightning_bfpp.engine.tied import TiedParameters
 from lightning_bfpp.engine.trace import TraceSession
@@ -86,7 +87,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             ``"auto"``: 2 if the model has at least ``2p`` layers, else 1.
         num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
         schedule: ``"breadth_first"`` (all micro-batches through one local stage before the next; the
-            default), ``"depth_first"`` (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage
+            default), ``"breadth_first_zb"`` (breadth-first with the backward split into input and weight
+            gradients, the weight gradients placed where the rank would wait: zero-bubble's split in breadth-first's
+            sweeps), ``"depth_first"`` (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage
             per rank), or ``"weight_passing"`` (TawPipe: no pipeline; every rank trains on its own
             micro-batches through the whole model while the layers, cut into one chunk per rank and each owned
             by one rank, travel to it along the node topology; see :mod:`lightning_bfpp.engine.weight_passing`).
@@ -106,7 +109,19 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         processes_per_node: the processes of one node, which decide what ``pipeline_parallel_size=None`` means
             and which ranks share a node for topology-aware sharding. ``None`` (default): Lightning's
             ``devices`` per node; set it to lay out one machine as several emulated nodes (tests, planning).
-        data_parallel_size: pipeline replicas; ``"auto"``: world size / ``pipeline_parallel_size``.
+        data_parallel_size: pipeline replicas; ``"auto"``: world size / (``pipeline_parallel_size`` ×
+            ``tensor_parallel_size``).
+        tensor_parallel_size: processes that share each pipeline rank's layers by tensor parallelism (``t``,
+            default 1): the mesh becomes (data, pipeline, ``"tensor_parallel"``) with a tensor group's ranks
+            consecutive (inside a node). Each stage's layers are parallelised on the tensor group before FSDP2
+            shards them over the data-parallel group, as torchtitan orders it: by the module's
+            ``configure_model`` (Lightning's convention: ``parallelize_module(layer,
+            self.device_mesh["tensor_parallel"], plan)`` on the layers), by ``parallelize_fn``, or by the module's
+            ``parallelize_layer(layer, tp_mesh)`` (the Hugging Face adapter's, from the model's
+            ``base_model_tp_plan``). A layer's output crosses to the next stage replicated over the tensor
+            group (``use_local_output=True``, the default of ``ColwiseParallel`` / ``RowwiseParallel``).
+        parallelize_fn: ``fn(layer, tp_mesh)``, called on each of this rank's pipeline layers with
+            ``tensor_parallel_size > 1``; it may return the layer or None.
         partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts),
             ``"time"`` (balance forward + backward time per layer, measured on global rank 0 with one training
             batch, or taken from ``plan_profile``), or the number of layers of each stage, e.g. ``[2, 3, 3,
@@ -146,7 +161,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         pipeline_parallel_size: int | Auto | None = None,
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
-        schedule: Literal["breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing"] = "breadth_first",
+        schedule: Literal[
+            "breadth_first", "breadth_first_zb", "depth_first", "gpipe", "1f1b", "weight_passing"
+        ] = "breadth_first",
         sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec | None = None,
@@ -154,6 +171,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         mesh_order: Literal["data_pipeline", "pipeline_data"] = "data_pipeline",
         prefetch_stages: int = 1,
         processes_per_node: int | None = None,
+        tensor_parallel_size: int = 1,
+        parallelize_fn: Callable[[nn.Module, Any], Any] | None = None,
         activation_checkpointing: bool | type | tuple[type, ...] | Callable[[nn.Module], bool] = False,
         compile: bool | Mapping[str, Any] = False,
         overlap_reductions: bool | Literal["auto", "stream", "thread"] = "auto",
@@ -179,7 +198,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             mesh_order=mesh_order,
             prefetch_stages=prefetch_stages,
             processes_per_node=processes_per_node,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        self._parallelize_fn = parallelize_fn
         # None: the module's own `pipeline_partition` if it has one (the Hugging Face adapter's is "time")
         self._partition_given = partition is not None
         self._recompute = recompute_policy(activation_checkpointing)
@@ -270,6 +291,12 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     def data_parallel_rank(self) -> int:
         return self.device_mesh[DATA_PARALLEL].get_local_rank()
 
+    @property
+    def tensor_rank(self) -> int:
+        """This process's place in its tensor-parallel group (0 without tensor parallelism)."""
+        tensor = tensor_parallel_mesh(self.device_mesh)
+        return tensor.get_local_rank() if tensor is not None else 0
+
     # -- model -------------------------------------------------------------------------------------
 
     @override
@@ -334,6 +361,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             self.processes_per_node, sharding_mesh=self._sharding_mesh,
             convert_module=self.precision_plugin.convert_module, recompute=self._recompute,
             compile_options=self._compile, info=info, warn=rank_zero_warn,
+            parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
             # a rank still waiting after this long is not coming: see Pipeline._agree_before_schedule
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )  # fmt: skip

@@ -297,6 +297,13 @@ def init_weights_as_model(model_class: type, config: Any, modules: Sequence[nn.M
             initializer._init_weights(module)
 
 
+def lm_head_tp_plan(model: Any) -> dict[str, str]:
+    """A ``transformers`` ``*ForCausalLM``'s tensor-parallel plan for its own modules (``{"lm_head":
+    "colwise_gather_output"}``): the class attribute ``_tp_plan``, which ``transformers`` reads when it
+    parallelises a model itself; the config holds only the base model's (``base_model_tp_plan``)."""
+    return dict(getattr(type(model), "_tp_plan", None) or {})
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
     from torch.distributed.distributed_c10d import _get_default_store

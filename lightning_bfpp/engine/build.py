@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.executors import StageExecutor, WeightPassingExecutor
@@ -40,7 +41,7 @@ from lightning_bfpp.engine.layers import (
 )
 from lightning_bfpp.engine.pipeline import Pipeline, StepCode
 from lightning_bfpp.engine.reductions import GradientReductions
-from lightning_bfpp.engine.sharding import DATA_PARALLEL, schedule_sharding, shard_stage
+from lightning_bfpp.engine.sharding import DATA_PARALLEL, schedule_sharding, shard_stage, tensor_parallel_mesh
 from lightning_bfpp.engine.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
 from lightning_bfpp.engine.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode
 from lightning_bfpp.plan.config import Layout, MeshShape, PipelineConfig
@@ -75,6 +76,9 @@ class Placement:
     convert_module: Callable[[nn.Module], Any] = field(default=lambda module: module)
     recompute: Callable[[nn.Module], bool] = field(default=lambda layer: False)
     compile_options: dict[str, Any] | None = None
+    # tensor parallelism: called on each of this rank's layers with the tensor-parallel mesh (e.g. applying
+    # `parallelize_module`); layers already parallelised (a LightningModule's `configure_model`) are left alone
+    parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None
     agreement_timeout: float | None = None
     info: Callable[[str], None] = _log.info
     warn: Callable[[str], None] = _warn
@@ -128,6 +132,7 @@ def place(
     """
     ties = find_ties(module, named)
     check_no_collective_layers(named)
+    check_tensor_parallel(module, named, ties, tensor_parallel_mesh(placement.device_mesh), placement.parallelize)
     layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
     check_shared_modules(named, layer_stage)
     weight_passing = placement.config.schedule == "weight_passing"
@@ -162,6 +167,11 @@ def _place_stages(
     # which local slots share a tensor, before materializing breaks that (see lightning_bfpp.engine.tied.retie)
     identities = record_identities(named, [i for i, rank in enumerate(owner) if rank == me])
     local = keep_local_layers(module, named, owner, me, device)
+    tensor_mesh = tensor_parallel_mesh(placement.device_mesh)
+    if tensor_mesh is not None and placement.parallelize is not None:
+        for name, layer in local.items():
+            if not _parallelised(layer):
+                local[name] = placement.parallelize(layer, tensor_mesh) or layer
     tied = retie(identities, ties, layer_stage, [plan.rank_of(s) for s in range(plan.num_stages)])
     materialize_remaining(module, device)
     placement.convert_module(module)
@@ -223,6 +233,38 @@ def _place_stages(
         Broadcast(buffers_outside(module, [name for name, _ in named]), 0, world),
     ]
     return Build(tied, PendingBuild(broadcasts, finish))
+
+
+def _parallelised(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def check_tensor_parallel(
+    module: nn.Module,
+    named: Sequence[tuple[str, nn.Module]],
+    ties: Sequence[Any],
+    tensor_mesh: DeviceMesh | None,
+    parallelize: Callable[..., Any] | None,
+) -> None:
+    """Refuse, before anything is placed, tensor parallelism the pipeline cannot run: tensor parallelism with
+    nothing that parallelises, and parameters shared between layers. (Parameters parallelised outside the
+    pipeline layers are refused with every other parameter outside them, by ``layers.pipeline_layers``.)"""
+    if tensor_mesh is None:
+        return
+    if parallelize is None and not any(_parallelised(layer) for _, layer in named):
+        raise ValueError(
+            f"BFPPStrategy: tensor_parallel_size={tensor_mesh.size()} but no layer is tensor-parallel: apply"
+            " `parallelize_module(layer, self.device_mesh['tensor_parallel'], plan)` to the layers in the"
+            " module's `configure_model`, pass `parallelize_fn=` to the strategy, or define"
+            " `parallelize_layer(layer, tp_mesh)` on the module (the Hugging Face adapter does, from the model's"
+            " `base_model_tp_plan`)."
+        )
+    if ties:
+        raise ValueError(
+            f"BFPPStrategy: parameters shared by several layers (`{ties[0].canonical}`) are not supported with"
+            " tensor parallelism yet: each copy would need the same tensor-parallel placement on its stage."
+            " Untie them (e.g. `tie_word_embeddings=False`) or train without tensor parallelism."
+        )
 
 
 def _place_chunks(

@@ -6,12 +6,15 @@ holds only its own stages, so the norm must also be combined over the pipeline g
 each rank would clip its stages by a different factor (torchtitan does the same, see its issue #596).
 A parameter tied across stages has one copy per stage holding the same gradient: only the owner's counts
 (``exclude`` names the others), as the one shared parameter does on one device; all are clipped alike.
+With tensor parallelism a stage holds gradients on two meshes (data-parallel shards of replicated layers,
+(data, tensor) shards of parallelised ones): each mesh's norm is reduced over its shards, then they are combined.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,12 +31,25 @@ def total_norm(
 
     ``exclude``: ids of parameters not counted (the copies of tied parameters on non-owner stages)."""
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in exclude]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    # one norm per mesh: gradients sharded over the data-parallel group only, and with tensor parallelism
+    # those sharded over (data, tensor), cannot be stacked into one DTensor norm
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
         if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # reduces over the data-parallel shards
-    else:
+            norm = norm.full_tensor()  # reduces over the shards (data-parallel, and tensor-parallel ones)
+        norms.append(norm.float())
+    if not norms:
         norm = torch.zeros(())
+    elif len(norms) == 1:
+        norm = norms[0]
+    elif math.isinf(norm_type):
+        norm = torch.stack(norms).max()
+    else:
+        norm = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     norm = norm.float()
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
         if math.isinf(norm_type):
@@ -57,7 +73,10 @@ def clip_grad_norm(
     Parameters in ``exclude`` are not counted in the norm but are clipped like the others."""
     parameters = list(parameters)
     norm = total_norm(parameters, norm_type, pipeline_group, exclude)
-    grads = [p for p in parameters if p.grad is not None]
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm.to(grads[0].grad.device))
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
     return norm

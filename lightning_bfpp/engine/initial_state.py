@@ -38,6 +38,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 T = TypeVar("T")
 
@@ -54,7 +55,8 @@ def local_state(modules: Iterable[nn.Module], *, parameters: bool = True) -> lis
         for tensor in (*(module.parameters() if parameters else ()), *module.buffers()):
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                out.append(tensor)
+                # a tensor-parallel (DTensor) parameter: its shard, which the same tensor rank of every replica holds
+                out.append(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
     return out
 
 

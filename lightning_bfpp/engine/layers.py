@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 _CONTRACT = (
@@ -226,6 +227,13 @@ def _check_parameters(module: nn.Module, named: Sequence[tuple[str, nn.Module]])
     allowed: :mod:`lightning_bfpp.engine.tied` keeps one copy per stage and keeps the copies equal."""
     inside = {id(param) for _, layer in named for param in layer.parameters()}
     stray = [n for n, p in module.named_parameters() if id(p) not in inside]
+    parallel = [n for n, p in module.named_parameters() if id(p) not in inside and isinstance(p, DTensor)]
+    if parallel:
+        raise ValueError(
+            f"BFPPStrategy: `{parallel[0]}` is a tensor-parallel (DTensor) parameter outside the module's"
+            " `pipeline_layers()`. Only the layers are cut into stages, placed and sharded: parallelise the"
+            " layers' own submodules (in `configure_model` or with `parallelize_fn`), not modules around them."
+        )
     if stray:
         listed = ", ".join(f"`{n}`" for n in stray[:5]) + (" …" if len(stray) > 5 else "")
         raise ValueError(

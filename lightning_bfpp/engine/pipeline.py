@@ -42,7 +42,7 @@ from lightning_bfpp.engine.microbatch import (
 )
 from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
 from lightning_bfpp.engine.runtime import PlannedSchedule
-from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
+from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, tensor_parallel_mesh
 from lightning_bfpp.engine.tied import TiedParameters
 from lightning_bfpp.engine.trace import StepTracer
 from lightning_bfpp.engine.weight_passing import WeightPassingRunner
@@ -160,10 +160,14 @@ class Pipeline:
         pipeline_group = mesh[PIPELINE_PARALLEL].get_group()
         self.pipeline_group = pipeline_group
         self.pipeline_ranks = dist.get_process_group_ranks(pipeline_group) if dist.is_initialized() else [0]
-        # every pipeline's global ranks (the step's exchange checks each pipeline's batches on every rank)
+        # the global ranks of each data-parallel replica, which must run the same batches (its pipeline, and with
+        # tensor parallelism every tensor rank's pipeline): the step's exchange checks them on every rank
         ranks = mesh.mesh
-        pp_dim = mesh.mesh_dim_names.index(PIPELINE_PARALLEL)  # type: ignore[union-attr]
-        self.pipelines = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+        dp_dim = mesh.mesh_dim_names.index(DATA_PARALLEL)  # type: ignore[union-attr]
+        self.pipelines = ranks.movedim(dp_dim, 0).reshape(ranks.shape[dp_dim], -1).tolist()
+        # with tensor parallelism, the tensor ranks of a stage hold the same outputs and losses: one speaks for all
+        tensor = tensor_parallel_mesh(mesh)
+        self.tensor_rank = tensor.get_local_rank() if tensor is not None else 0
         # None until the first training step shows whether the step normalises by item counts
         self.normalizes_items: bool | None = None
         # whether this accumulation window's batches are normalised by their item counts one by one

@@ -21,16 +21,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_bfpp.engine._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv
 from lightning_bfpp.engine.reductions import GradientReductions
+from lightning_bfpp.engine.sharding import TENSOR_PARALLEL
 from lightning_bfpp.plan.partition import stage_rank
 from lightning_bfpp.plan.schedule import Action, Kind
 
 _TO_TORCH = {
     Kind.FORWARD: TorchKind.FORWARD,
     Kind.BACKWARD: TorchKind.FULL_BACKWARD,
+    Kind.BACKWARD_INPUT: TorchKind.BACKWARD_INPUT,
+    Kind.BACKWARD_WEIGHT: TorchKind.BACKWARD_WEIGHT,
     Kind.UNSHARD: TorchKind.UNSHARD,
     Kind.RESHARD: TorchKind.RESHARD,
     Kind.REDUCE_GRAD: TorchKind.REDUCE_GRAD,
@@ -163,6 +166,21 @@ def _has_distributed_parameters(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
+def _zeros_like_gathered(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Zeros shaped as ``param`` is when its stage computes: whole over the data-parallel group, and with tensor
+    parallelism still a DTensor sharded over the tensor group, as the layers' parallel styles expect it."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    if TENSOR_PARALLEL not in names:
+        return torch.zeros(param.shape, dtype=param.dtype, device=device)
+    tensor_mesh = param.device_mesh[TENSOR_PARALLEL]
+    placement = param.placements[names.index(TENSOR_PARALLEL)]
+    shape = list(param.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] //= tensor_mesh.size()
+    local = torch.zeros(shape, dtype=param.dtype, device=device)
+    return DTensor.from_local(local, tensor_mesh, [placement], run_check=False)
+
+
 class ShapeInference(nn.Module):
     """A sharded stage's layers on zero stand-ins for their full weights, without the stage's hooks.
 
@@ -186,7 +204,7 @@ class ShapeInference(nn.Module):
             for name, param in list(module.named_parameters(recurse=False)):
                 standin = standins.get(id(param))
                 if standin is None:
-                    zeros = torch.zeros(param.shape, dtype=param.dtype, device=device)
+                    zeros = _zeros_like_gathered(param, device)
                     standin = standins[id(param)] = nn.Parameter(zeros, requires_grad=param.requires_grad)
                 self._originals.append((module, name, param))
                 setattr(module, name, standin)

@@ -27,13 +27,15 @@ if TYPE_CHECKING:
 
 DATA_PARALLEL = "data_parallel"
 PIPELINE_PARALLEL = "pipeline_parallel"
+TENSOR_PARALLEL = "tensor_parallel"  # Lightning's ModelParallelStrategy's name, which users' code indexes
 # hybrid_shard's data-parallel dimensions: copies across nodes (outer), shards inside a node (inner)
 REPLICATE = "replicate"
 SHARD = "shard"
 
 
 def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
-    """The 2-D (data × pipeline) mesh.
+    """The 2-D (data × pipeline) mesh, or with tensor parallelism the 3-D one with ``"tensor_parallel"``
+    innermost (a tensor group's ranks consecutive: inside a node, as torchtitan and Megatron place it).
 
     With ``mesh_order="data_pipeline"`` the ranks of one pipeline are consecutive global ranks (so a
     pipeline stays inside a node and data-parallel groups span nodes); with ``"pipeline_data"`` the ranks of
@@ -46,7 +48,16 @@ def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
         if shape.mesh_order == "data_pipeline"
         else (PIPELINE_PARALLEL, DATA_PARALLEL)
     )
+    if shape.tensor_parallel_size > 1:
+        dims[TENSOR_PARALLEL] = shape.tensor_parallel_size
+        names = (*names, TENSOR_PARALLEL)
     return init_device_mesh(device.type, tuple(dims[n] for n in names), mesh_dim_names=names)
+
+
+def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh's tensor-parallel dimension, or None without tensor parallelism."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[TENSOR_PARALLEL] if TENSOR_PARALLEL in names else None
 
 
 def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:

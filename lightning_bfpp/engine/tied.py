@@ -276,7 +276,9 @@ class TiedParameters:
             return
         names = mesh.mesh_dim_names
         assert names is not None
-        ranks = mesh.mesh.permute(names.index(data_parallel_dim), names.index(pipeline_dim))  # [dp, pp]
+        # one row per pipeline (data-parallel replica, and tensor rank where there is one), in pipeline rank order
+        grid = mesh.mesh.movedim(names.index(pipeline_dim), -1)
+        ranks = grid.reshape(-1, grid.shape[-1])
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for group in self.groups:
             if len(group.ranks) < 2:

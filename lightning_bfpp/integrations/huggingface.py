@@ -839,6 +839,78 @@ def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return mean_over_items(loss_sum, (labels != -100).sum())
 
 
+# `transformers`' tensor-parallel styles this adapter applies, as torch's parallel styles
+_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+
+
+def _tp_style(kind: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":
+        return RowwiseParallel()
+    return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output: the logits whole on every rank
+
+
+def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int) -> dict[str, Any]:
+    """``layer``'s part of the model's tensor-parallel plan (``config.base_model_tp_plan`` and the LM class's
+    ``_tp_plan``), as ``parallelize_module`` takes it: paths inside the layer mapped to torch's parallel styles.
+
+    Column-wise projections (q, k, v, gate, up) split their outputs, so each tensor rank computes
+    ``heads / size`` attention heads (the model's attention reshapes by ``head_dim``, not by the head count) and
+    ``intermediate_size / size`` MLP units; row-wise ones (o, down) all-reduce partial sums, so a block's output
+    is whole on every tensor rank and crosses to the next stage as a plain tensor. ``colwise_gather_output`` (the
+    LM head) gathers the logits. Refused, naming the entry: a style this adapter does not apply (e.g. Qwen 3's
+    ``replicated_with_grad_allreduce`` q/k norms, whose gradients would need an all-reduce over the tensor group
+    that nothing issues), a model without a plan, sizes that ``size`` does not divide.
+    """
+    config = module.hf_config
+    plan = module._tensor_plan
+    if not any(k.startswith("model.layers.") for k in plan):
+        raise ValueError(
+            f"BFPPStrategy(tensor_parallel_size={size}): the `{config.model_type}` model declares no tensor-parallel"
+            " plan for its decoder layers (`config.base_model_tp_plan`); pass `parallelize_fn=` to the strategy"
+            " with your own `parallelize_module` plan, or train without tensor parallelism."
+        )
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % size:
+            raise ValueError(
+                f"BFPPStrategy: tensor_parallel_size={size} does not divide the model's `{field}` ({value}): each"
+                f" tensor rank would hold a different share. Choose a tensor size that divides {value}."
+            )
+    if isinstance(layer, DecoderBlock):
+        prefix, target = "model.layers.*.", "layer."
+    elif isinstance(layer, CausalLMHead):
+        prefix, target = "", ""
+    elif isinstance(layer, CausalEmbedding):
+        prefix, target = "model.", ""
+    else:
+        raise ValueError(
+            f"BFPPStrategy: tensor parallelism from the model's plan covers decoder-only causal LMs with rotary"
+            f" positions (`{type(layer).__name__}` layers have no plan here); pass `parallelize_fn=` to the strategy."
+        )
+    styles = {}
+    for key, kind in plan.items():
+        if not key.startswith(prefix) or (prefix == "" and key.startswith("model.")):
+            continue
+        path = target + key[len(prefix) :]
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            continue  # e.g. the embedding's entry seen from the head
+        if kind not in _TP_STYLES:
+            raise ValueError(
+                f"BFPPStrategy: the `{config.model_type}` model's tensor-parallel plan asks `{kind}` for `{key}`,"
+                f" which this adapter does not apply (it applies {', '.join(_TP_STYLES)}); pass `parallelize_fn=`"
+                " to the strategy with a plan of your own, or train without tensor parallelism."
+            )
+        styles[path] = _tp_style(kind)
+    return styles
+
+
 class _HFPipelineModule(L.LightningModule):
     """What both wrappers share: the layers, the optimizer, the names ``transformers`` gives the weights, and
     which batch fields reach ``self(...)``.
@@ -873,6 +945,10 @@ class _HFPipelineModule(L.LightningModule):
         if self.lora_config is not None:
             _install_lora_resets([*layers, head], self.lora_config.init_lora_weights)
         self.hf_config = model.config
+        self._tensor_plan = {
+            **{f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()},
+            **_compat.lm_head_tp_plan(model),
+        }
         self.embed = layers[0]
         self.blocks = nn.ModuleList(layers[1:])
         self.head = head
@@ -913,6 +989,16 @@ class _HFPipelineModule(L.LightningModule):
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def parallelize_layer(self, layer: nn.Module, tp_mesh: Any) -> nn.Module:
+        """Tensor parallelism from the model's own plan, on one pipeline layer (``BFPPStrategy`` calls this on the
+        layers a rank holds when ``tensor_parallel_size > 1``; see :func:`tensor_parallel_plan`)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = tensor_parallel_plan(self, layer, tp_mesh.size())
+        if plan:
+            parallelize_module(layer, tp_mesh, plan)
+        return layer
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW over the parameters that train: with LoRA, or with weights frozen by hand, the frozen ones get no

@@ -6,6 +6,11 @@ instead (the process yields the core), while real tensors still flow: its weight
 values) is gathered and its gradient reduced by FSDP2, and its activation (``activation_numel`` values
 per sample) is sent between pipeline ranks. Several processes then behave like several devices.
 
+With ``weight_grad_ms`` set, a layer's backward is split as zero-bubble schedules split it (:func:`split_sleep`):
+``backward_ms`` is spent computing the input gradient and ``weight_grad_ms`` the weight gradient, each only in
+the autograd pass that asks for it, so ``torch.distributed.pipelining``'s ``BACKWARD_INPUT`` and
+``BACKWARD_WEIGHT`` take those times; a full backward takes both, as one node sleeping their sum would.
+
 Part of the package because ``plan calibrate`` trains such a model to measure the runtime's own cost per
 schedule action and per step on the machine it plans for; the benchmarks and tests use it too.
 """
@@ -13,6 +18,7 @@ schedule action and per step on the machine it plans for; the benchmarks and tes
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,25 +43,102 @@ class _Sleep(torch.autograd.Function):
         return grad.contiguous(), torch.zeros(ctx.weight_shape, dtype=grad.dtype, device=grad.device), None, None
 
 
+Sleep = Callable[[float], None]
+
+
+class _SleepInput(torch.autograd.Function):
+    """The forward time, and the input-gradient time in the backward pass that computes ``x``'s gradient.
+
+    ``anchor`` (the weight, passed only when ``x`` needs no gradient, as a first layer's input) keeps the node in
+    the graph, so that the layer's whole backward still takes ``input + weight`` time: that backward is then
+    the weight pass (torch's first stage runs its whole backward as its ``BACKWARD_WEIGHT``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, forward_s: float, input_grad_s: float, sleep: Sleep
+    ) -> torch.Tensor:
+        sleep(forward_s)
+        ctx.input_grad_s, ctx.sleep = input_grad_s, sleep
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        ctx.sleep(ctx.input_grad_s)
+        # contiguous: a mean loss hands back an expanded (stride-0) gradient, which gloo cannot receive into
+        return (grad.contiguous() if ctx.needs_input_grad[0] else None), None, None, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """A zero that depends on the weight: the weight-gradient time, spent only when the weight's gradient is asked.
+
+    It keeps the layer's input until then, as a real weight gradient (``x^T · grad``) does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, x: torch.Tensor, weight_grad_s: float, sleep: Sleep) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight_grad_s, ctx.sleep, ctx.weight_shape = weight_grad_s, sleep, weight.shape
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.sleep(ctx.weight_grad_s)
+        (_,) = ctx.saved_tensors  # the input a real weight gradient reads (autograd frees it after this pass)
+        return torch.zeros(ctx.weight_shape, dtype=grad.dtype, device=grad.device), None, None, None
+
+
+def split_sleep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    forward_s: float,
+    input_grad_s: float,
+    weight_grad_s: float,
+    sleep: Sleep = time.sleep,
+) -> torch.Tensor:
+    """``x`` after sleeping ``forward_s``, with a backward split in two autograd nodes.
+
+    ``torch.autograd.grad(out, inputs=[x])`` (torch's ``stage_backward_input``) sleeps ``input_grad_s`` only,
+    a weight pass from there (``stage_backward_weight``) ``weight_grad_s`` only, and ``out.backward()`` both.
+    ``sleep`` is called with every duration (the benchmarks count the time slept).
+    """
+    anchor = None if x.requires_grad else weight
+    head = _SleepInput.apply(x, anchor, forward_s, input_grad_s, sleep)
+    return head + _SleepWeight.apply(weight, x.detach(), weight_grad_s, sleep)
+
+
 class EmulatedLayer(nn.Module):
-    def __init__(self, forward_ms: float, backward_ms: float, param_numel: int) -> None:
+    """``forward_ms`` and ``backward_ms`` of sleep per call; with ``weight_grad_ms``, ``backward_ms`` is the
+    input-gradient time and ``weight_grad_ms`` the weight-gradient time, in separate autograd nodes
+    (:func:`split_sleep`); without it, one node sleeps ``backward_ms`` for the whole backward."""
+
+    def __init__(
+        self, forward_ms: float, backward_ms: float, param_numel: int, weight_grad_ms: float | None = None
+    ) -> None:
         super().__init__()
         self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
+        self.weight_grad_s = None if weight_grad_ms is None else weight_grad_ms / 1e3
         self.weight = nn.Parameter(torch.zeros(param_numel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
+        if self.weight_grad_s is None:
+            return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
+        return split_sleep(x, self.weight, self.forward_s, self.backward_s, self.weight_grad_s)
 
 
 @dataclass(frozen=True)
 class EmulatedModel:
-    """A model of ``layers`` identical emulated layers; times are per micro-batch."""
+    """A model of ``layers`` identical emulated layers; times are per micro-batch.
+
+    ``weight_grad_ms`` set splits each layer's backward: ``backward_ms`` is then the input-gradient time only.
+    """
 
     layers: int = 16
     forward_ms: float = 5.0
     backward_ms: float = 10.0
     param_numel: int = 250_000
     activation_numel: int = 4096
+    weight_grad_ms: float | None = None
 
     @property
     def param_bytes(self) -> int:
@@ -71,7 +154,8 @@ class EmulatedNet(L.LightningModule):
         super().__init__()
         self.spec = spec
         self.layers = nn.ModuleList(
-            EmulatedLayer(spec.forward_ms, spec.backward_ms, spec.param_numel) for _ in range(spec.layers)
+            EmulatedLayer(spec.forward_ms, spec.backward_ms, spec.param_numel, spec.weight_grad_ms)
+            for _ in range(spec.layers)
         )
 
     def pipeline_layers(self) -> list[nn.Module]:

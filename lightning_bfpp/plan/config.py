@@ -9,6 +9,7 @@ on identical inputs, so they raise identically everywhere instead of leaving som
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -18,7 +19,7 @@ ScheduleName = Literal["breadth_first"]
 ShardingName = Literal["full_shard", "shard_grad_op", "no_shard"]
 PartitionSpec = Literal["parameters", "uniform", "time"] | Sequence[int]
 
-SCHEDULES: tuple[str, ...] = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing")
+SCHEDULES: tuple[str, ...] = ("breadth_first", "breadth_first_zb", "depth_first", "gpipe", "1f1b", "weight_passing")
 NON_LOOPED: tuple[str, ...] = ("gpipe", "1f1b")
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 PARTITIONS: tuple[str, ...] = ("parameters", "uniform", "time")
@@ -37,29 +38,35 @@ def _check_size(name: str, value: object, *, allow_auto: bool = True) -> None:
 
 @dataclass(frozen=True)
 class MeshShape:
-    """How the world is cut: ``data_parallel_size`` pipelines of ``pipeline_parallel_size`` ranks each."""
+    """How the world is cut: ``data_parallel_size`` pipelines of ``pipeline_parallel_size`` ranks each, every
+    rank of which is ``tensor_parallel_size`` consecutive processes sharing its layers' weights (tensor
+    parallelism, innermost: inside a node)."""
 
     pipeline_parallel_size: int
     data_parallel_size: int
     mesh_order: str = "data_pipeline"
     # sharding="hybrid_shard": the data-parallel ranks of one node, FSDP2's shard dimension (None otherwise)
     shard_size: int | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def replicate_size(self) -> int:
         """Copies of each shard (nodes a data-parallel group spans under ``hybrid_shard``; else 1)."""
         return self.data_parallel_size // self.shard_size if self.shard_size else 1
 
-    def global_rank(self, pipeline_rank: int, data_parallel_rank: int) -> int:
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int, tensor_rank: int = 0) -> int:
         """The global rank at these mesh coordinates (see :func:`lightning_bfpp.engine.sharding.build_mesh`)."""
         if self.mesh_order == "data_pipeline":
-            return data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
-        return pipeline_rank * self.data_parallel_size + data_parallel_rank
+            outer = data_parallel_rank * self.pipeline_parallel_size + pipeline_rank
+        else:
+            outer = pipeline_rank * self.data_parallel_size + data_parallel_rank
+        return outer * self.tensor_parallel_size + tensor_rank
 
     def data_parallel_groups(self) -> list[list[int]]:
-        """Per pipeline rank, the global ranks of its data-parallel group in data-parallel rank order."""
-        p, dp = self.pipeline_parallel_size, self.data_parallel_size
-        return [[self.global_rank(q, d) for d in range(dp)] for q in range(p)]
+        """Per pipeline rank (and tensor rank), the global ranks of its data-parallel group in data-parallel
+        rank order."""
+        p, dp, t = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
+        return [[self.global_rank(q, d, k) for d in range(dp)] for q in range(p) for k in range(t)]
 
     def hybrid_groups(self) -> tuple[list[list[int]], list[list[int]]]:
         """``hybrid_shard``'s (shard groups, replicate groups), as global ranks: a shard group is ``shard_size``
@@ -117,8 +124,12 @@ class PipelineConfig:
     mesh_order: str = "data_pipeline"
     prefetch_stages: int = 1
     processes_per_node: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check_size("tensor_parallel_size", self.tensor_parallel_size, allow_auto=False)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.pipeline_parallel_size is not None:
             _check_size("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.pipeline_parallel_size == "auto" and self.data_parallel_size != "auto":
@@ -199,6 +210,28 @@ class PipelineConfig:
                     f" rank); got {name}={value!r}. Leave it at its default."
                 )
 
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with yet, each with the way that works."""
+        t = self.tensor_parallel_size
+        if self.schedule == "weight_passing":
+            raise ValueError(
+                f"BFPPStrategy: schedule='weight_passing' with tensor_parallel_size={t} is not supported: its chunks"
+                " travel whole between ranks, and a tensor-parallel chunk would have to travel between matching"
+                " tensor ranks of two groups. Use schedule='breadth_first' with tensor parallelism, or"
+                " weight passing without it."
+            )
+        if self.pipeline_parallel_size == "auto":
+            raise ValueError(
+                f"BFPPStrategy: pipeline_parallel_size='auto' with tensor_parallel_size={t}: the planner does not"
+                " model tensor parallelism yet. Give pipeline_parallel_size (and the planner's best layout"
+                " for the rest: `python -m lightning_bfpp.plan`)."
+            )
+        if self.sharding == "hybrid_shard":
+            raise ValueError(
+                f"BFPPStrategy: sharding='hybrid_shard' with tensor_parallel_size={t} is not supported yet; use"
+                " 'full_shard' (the tensor group stays inside a node, the data-parallel group shards across)."
+            )
+
     def node_size(self, world_size: int, local_processes: int) -> int:
         """The processes of one node: ``processes_per_node`` if given (it must divide the world), else the
         launcher's processes on this machine."""
@@ -212,7 +245,20 @@ class PipelineConfig:
         return given
 
     def resolve_mesh(self, world_size: int, processes_per_node: int) -> MeshShape:
-        """Fix the pipeline and data-parallel sizes for ``world_size`` ranks."""
+        """Fix the pipeline and data-parallel sizes for ``world_size`` ranks (of ``tensor_parallel_size``
+        processes each: the sizes below count tensor-parallel groups)."""
+        t = self.tensor_parallel_size
+        if t > 1:
+            if world_size % t or processes_per_node % t:
+                raise ValueError(
+                    f"BFPPStrategy: `tensor_parallel_size={t}` must divide the processes of a node"
+                    f" ({processes_per_node}) and the world size ({world_size}): a tensor-parallel group stays"
+                    " inside a node, where its per-layer collectives are fast."
+                )
+            shape = dataclasses.replace(self, tensor_parallel_size=1).resolve_mesh(
+                world_size // t, processes_per_node // t
+            )
+            return dataclasses.replace(shape, tensor_parallel_size=t)
         if self.schedule == "weight_passing":  # no pipeline: every rank is a data-parallel rank
             return MeshShape(pipeline_parallel_size=1, data_parallel_size=world_size, mesh_order=self.mesh_order)
         p, dp = self.pipeline_parallel_size, self.data_parallel_size

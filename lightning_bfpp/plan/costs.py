@@ -24,6 +24,9 @@ class LayerCost:
     ``activation_bytes`` is what its backward needs when nothing is recomputed (``None``: ``saved_bytes``):
     under activation recomputation ``saved_bytes`` is only the layer's input, while a recomputed forward
     briefly holds ``activation_bytes`` again (weight passing recomputes whole chunks, so it needs this).
+    ``backward_weight_s`` is the part of ``backward_s`` that computes weight gradients, which a zero-bubble
+    schedule runs as its own ``W`` action after the input gradient ``I`` (``None``: half of ``backward_s``, as
+    for a matrix product, whose two gradients cost the same); schedules with a whole backward use ``backward_s``.
     """
 
     forward_s: float
@@ -32,10 +35,21 @@ class LayerCost:
     output_bytes: int
     saved_bytes: int
     activation_bytes: int | None = None
+    backward_weight_s: float | None = None
 
     @property
     def full_activation_bytes(self) -> int:
         return self.saved_bytes if self.activation_bytes is None else self.activation_bytes
+
+    @property
+    def weight_grad_s(self) -> float:
+        """Time of the weight-gradient part of the backward (a ``W`` action)."""
+        return self.backward_s / 2 if self.backward_weight_s is None else self.backward_weight_s
+
+    @property
+    def input_grad_s(self) -> float:
+        """Time of the input-gradient part of the backward (an ``I`` action), recomputation included."""
+        return self.backward_s - self.weight_grad_s
 
     def scaled(self, factor: float) -> LayerCost:
         return LayerCost(
@@ -45,6 +59,7 @@ class LayerCost:
             int(self.output_bytes * factor),
             int(self.saved_bytes * factor),
             None if self.activation_bytes is None else int(self.activation_bytes * factor),
+            None if self.backward_weight_s is None else self.backward_weight_s * factor,
         )
 
 
@@ -132,8 +147,10 @@ def gpt(
     saved = 2 * s * h * b if recompute else full
     boundary = bytes_per_value * b * s * h
     extra = block_flops / flops_per_second if recompute else 0.0  # one more forward in backward
+    # the backward's two halves, input and weight gradients, cost a forward each; a recomputation precedes the first
     block = LayerCost(block_flops / flops_per_second, 2 * block_flops / flops_per_second + extra,
-                      block_params * bytes_per_value, boundary, saved, full)  # fmt: skip
+                      block_params * bytes_per_value, boundary, saved, full,
+                      backward_weight_s=block_flops / flops_per_second)  # fmt: skip
     embed = LayerCost(0.0, 0.0, (v + s) * h * bytes_per_value, boundary, boundary)
     head_flops = 2 * b * s * h * v
     head = LayerCost(head_flops / flops_per_second, 2 * head_flops / flops_per_second, v * h * bytes_per_value,
@@ -155,6 +172,11 @@ def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[Laye
                 output_bytes=run[-1].output_bytes,
                 saved_bytes=sum(layer.saved_bytes for layer in run),
                 activation_bytes=sum(layer.full_activation_bytes for layer in run),
+                backward_weight_s=(
+                    None
+                    if all(layer.backward_weight_s is None for layer in run)
+                    else sum(layer.weight_grad_s for layer in run)
+                ),
             )
         )
         start += count

@@ -1,8 +1,10 @@
 """Pipeline schedules as data: per-rank ordered action lists, generated, validated and lowered. Pure.
 
 A schedule is ``dict[pipeline_rank, list[Action]]``. Generators produce the *compute* actions (forward
-``F`` and backward ``B`` of one micro-batch through one stage); :func:`add_sharding_actions` then inserts
-the data-parallel actions (``UNSHARD`` = all-gather a stage's weights, ``RESHARD`` = free them,
+``F`` and backward ``B`` of one micro-batch through one stage, or the backward split in two as zero-bubble
+schedules do: ``I``, the input gradient the previous stage waits for, and ``W``, the weight gradient nobody
+waits for); :func:`add_sharding_actions` then inserts the data-parallel actions (``UNSHARD`` = all-gather
+a stage's weights, ``RESHARD`` = free them,
 ``REDUCE_GRAD`` = reduce its gradients); the execution half turns the result into torch's own action IR
 and lets torch add the point-to-point sends and receives. Nothing here imports ``torch``: a schedule is
 generated, checked and printed in microseconds, and the same lists are what the runtime executes.
@@ -24,16 +26,21 @@ from lightning_bfpp.plan.partition import rank_stages, stage_rank
 class Kind(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     UNSHARD = "UNSHARD"
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
 
 
 F, B = Kind.FORWARD, Kind.BACKWARD
+I, W = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741 (torch's own names for the split backward)
 UNSHARD, RESHARD, REDUCE_GRAD = Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD
-COMPUTE = (F, B)
+COMPUTE = (F, B, I, W)
+BACKWARD_KINDS = (B, I, W)
+GRADIENT_KINDS = (B, W)  # the actions that add to a stage's weight gradients
 
-_ACTION_RE = re.compile(r"^(\d+)(F|B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
+_ACTION_RE = re.compile(r"^(\d+)(F|B|I|W|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +64,7 @@ class Action:
     def parse(text: str) -> Action:
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '1B3', '0UNSHARD')")
+            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '1B3', '2I0', '2W0', '0UNSHARD')")
         stage, kind, mb = match.groups()
         return Action(int(stage), Kind(kind), int(mb) if mb else None)
 
@@ -84,13 +91,88 @@ def breadth_first(pipeline_parallel_size: int, stages_per_rank: int, num_microba
     lets sharded data parallelism gather its weights once per sweep and reduce its gradients once.
     """
     p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    return _sweeps(p, v, m, B)
+
+
+def _sweeps(p: int, v: int, m: int, backward: Kind) -> Schedule:
+    """Per rank: every micro-batch forward through each local stage in order, then ``backward`` (``B``, or the
+    input gradient ``I``) through each in reverse order."""
     schedule: Schedule = {}
     for rank in range(p):
         stages = rank_stages(rank, p, v)
         actions = [Action(s, F, mb) for s in stages for mb in range(m)]
-        actions += [Action(s, B, mb) for s in reversed(stages) for mb in range(m)]
+        actions += [Action(s, backward, mb) for s in reversed(stages) for mb in range(m)]
         schedule[rank] = actions
     return schedule
+
+
+def breadth_first_zb(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
+    """Breadth-first with the backward split into input gradients ``I`` and weight gradients ``W`` (zero bubble).
+
+    The ``F`` and ``I`` actions keep breadth-first's sweeps and order: per rank, every micro-batch's forward
+    through one local stage, stage by stage, then every micro-batch's input gradient through one local stage,
+    in reverse stage order, so each stage is still gathered once per sweep. Only ``I`` is on the critical path
+    (the previous stage waits for it), so the ``W`` actions are moved where the rank would otherwise wait: a
+    list-scheduling pass with unit times (``f = i = w``) runs a pending ``W`` whenever the rank's next ``F``
+    or ``I`` has not arrived, taking only ``W``'s of the stage whose ``I`` ran last on the rank (still
+    gathered, so they join that stage's visit), lowest micro-batch first; the rest follow the last sweep,
+    stage by stage, most recently visited stage first, each stage's ``W``'s together.
+
+    With unit times and ``m ≥ p`` a step takes ``3vm + 2(p − 1)`` units against breadth-first's
+    ``3vm + 3(p − 1)`` (``b = i + w``): the forward fill and the descent of the first input gradient remain,
+    since no ``W`` exists before the first ``I`` and all forwards precede it, so this is the least any order
+    that keeps the sweeps can reach; the ``W``'s fill the cool-down. With ``m < p`` they also fill the waits
+    between input-gradient sweeps.
+
+    Gathers per rank per step under ``full_shard`` with ``prefetch=1``: at most ``3v − 2`` against
+    breadth-first's ``2v − 1``, exactly that when ``m ≥ p``: ``v`` forward visits, ``v − 1`` further
+    input-gradient visits, and one more for each local stage but the first, whose input-gradient sweep is the
+    last and whose ``W``'s join it (a longer look-ahead keeps some stages from their ``I``'s to their ``W``'s).
+    ``shard_grad_op`` and ``no_shard`` still gather each stage once. Each stage's ``REDUCE_GRAD`` follows its
+    last ``W``; a micro-batch's activations are held until its ``W``, not its ``I``.
+    """
+    p, v, m = _check_sizes(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    return _fill_with_weight_gradients(_sweeps(p, v, m, I), p * v)
+
+
+def _fill_with_weight_gradients(sweeps: Schedule, num_stages: int) -> Schedule:
+    """Add one ``W`` after each ``I`` of ``sweeps``: in the rank's waits (unit-time list scheduling), else at the end.
+
+    A wait is filled only with ``W``'s of the stage of the rank's latest ``I``: that stage is gathered, so under
+    full sharding the filling costs no gather, and each stage's remaining ``W``'s form one run at the end.
+    """
+    done: set[tuple[int, Kind, int | None]] = set()
+    cursor = dict.fromkeys(sweeps, 0)
+    out: Schedule = {rank: [] for rank in sweeps}
+    pending: dict[int, dict[int, list[int]]] = {rank: {} for rank in sweeps}  # rank → stage → micro-batches
+    latest: dict[int, list[int]] = {rank: [] for rank in sweeps}  # stages by their latest I, most recent last
+    while any(cursor[rank] < len(actions) for rank, actions in sweeps.items()):
+        finished: list[Action] = []
+        for rank, actions in sweeps.items():
+            if cursor[rank] < len(actions) and _ready(actions[cursor[rank]], done, num_stages):
+                a = actions[cursor[rank]]
+                cursor[rank] += 1
+                if a.kind is I and a.microbatch is not None:
+                    pending[rank].setdefault(a.stage, []).append(a.microbatch)
+                    if a.stage in latest[rank]:
+                        latest[rank].remove(a.stage)
+                    latest[rank].append(a.stage)
+            elif latest[rank] and pending[rank][latest[rank][-1]]:
+                stage = latest[rank][-1]
+                a = Action(stage, W, pending[rank][stage].pop(0))
+            else:
+                continue  # the rank waits
+            out[rank].append(a)
+            finished.append(a)
+        if not finished:
+            raise ScheduleError(
+                "the sweeps deadlock before their weight gradients are placed\n" + format_schedule(sweeps)
+            )
+        done.update((a.stage, a.kind, a.microbatch) for a in finished)
+    for rank in sweeps:
+        for stage in reversed(latest[rank]):
+            out[rank] += [Action(stage, W, mb) for mb in pending[rank][stage]]
+    return out
 
 
 def gpipe(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
@@ -193,8 +275,8 @@ def forward_only(pipeline_parallel_size: int, stages_per_rank: int, num_microbat
     return {r: [Action(s, F, mb) for s in rank_stages(r, p, v) for mb in range(m)] for r in range(p)}
 
 
-SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing")
-LOOPED_SCHEDULES = ("breadth_first", "depth_first")
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b", "weight_passing", "breadth_first_zb")
+LOOPED_SCHEDULES = ("breadth_first", "depth_first", "breadth_first_zb")
 
 
 def generate(
@@ -209,6 +291,8 @@ def generate(
         raise ValueError(f"microbatch_group_size applies to schedule='depth_first', not {name!r}")
     if name == "breadth_first":
         return breadth_first(pipeline_parallel_size, stages_per_rank, num_microbatches)
+    if name == "breadth_first_zb":
+        return breadth_first_zb(pipeline_parallel_size, stages_per_rank, num_microbatches)
     if name == "depth_first":
         return depth_first(pipeline_parallel_size, stages_per_rank, num_microbatches, microbatch_group_size)
     if name == "gpipe":
@@ -251,10 +335,11 @@ def validate(
     """Check a compute-only schedule: complete, placed correctly, and executable without deadlock.
 
     Rules: every stage runs every micro-batch's forward exactly once (and, if ``backward``, its backward
-    exactly once), on the rank the looping placement gives it; and executing every rank's list in order,
-    where a forward waits for the previous stage's forward of the same micro-batch and a backward waits for
-    its own forward and the next stage's backward, finishes. Raises :class:`ScheduleError` with the whole
-    schedule printed on failure.
+    exactly once: either one ``B``, or one ``I`` and, later in the same rank's list, one ``W``), on the rank
+    the looping placement gives it; and executing every rank's list in order, where a forward waits for the
+    previous stage's forward of the same micro-batch, a ``B`` or ``I`` waits for its own forward and the next
+    stage's ``B`` or ``I``, and a ``W`` for its own ``I``, finishes. Raises :class:`ScheduleError` with the
+    whole schedule printed on failure.
     """
     p, v, m = pipeline_parallel_size, stages_per_rank, num_microbatches
     num_stages = p * v
@@ -262,6 +347,7 @@ def validate(
         raise ScheduleError(f"schedule must have ranks 0..{p - 1}, has {sorted(schedule)}")
     seen: Counter[tuple[int, Kind, int | None]] = Counter()
     for rank, actions in schedule.items():
+        inputs_done: set[tuple[int, int | None]] = set()
         for a in actions:
             if not a.is_compute:
                 raise ScheduleError(f"rank {rank}: {a} is not a compute action; validate before lowering")
@@ -273,18 +359,29 @@ def validate(
                 )
             if a.microbatch is None or not 0 <= a.microbatch < m:
                 raise ScheduleError(f"rank {rank}: {a} names micro-batch {a.microbatch}; there are {m}")
-            if a.kind is B and not backward:
+            if a.kind in BACKWARD_KINDS and not backward:
                 raise ScheduleError(f"rank {rank}: {a} is a backward in a forward-only schedule")
+            if a.kind is I:
+                inputs_done.add((a.stage, a.microbatch))
+            elif a.kind is W and (a.stage, a.microbatch) not in inputs_done:
+                raise ScheduleError(
+                    f"rank {rank}: {a} runs before {Action(a.stage, I, a.microbatch)}; a weight gradient needs the"
+                    " output gradient its input gradient received\n" + format_schedule(schedule)
+                )
             seen[(a.stage, a.kind, a.microbatch)] += 1
-    kinds = (F, B) if backward else (F,)
     for s in range(num_stages):
-        for kind in kinds:
-            for mb in range(m):
+        for mb in range(m):
+            expected = {F: 1}
+            if backward and (seen[(s, I, mb)] or seen[(s, W, mb)]):
+                expected |= {B: 0, I: 1, W: 1}  # a split backward: one I and one W instead of the B
+            elif backward:
+                expected |= {B: 1}
+            for kind, want in expected.items():
                 count = seen[(s, kind, mb)]
-                if count != 1:
+                if count != want:
                     raise ScheduleError(
-                        f"stage {s} runs {Action(s, kind, mb)} {count} times, expected once\n"
-                        + format_schedule(schedule)
+                        f"stage {s} runs {Action(s, kind, mb)} {count} times, expected"
+                        f" {'once' if want else 'none beside its I and W'}\n" + format_schedule(schedule)
                     )
     last_forwards = [
         a.microbatch for acts in schedule.values() for a in acts if a.stage == num_stages - 1 and a.kind is F
@@ -320,10 +417,12 @@ def _check_executable(schedule: Mapping[int, Sequence[Action]], num_stages: int)
 def _ready(a: Action, done: set[tuple[int, Kind, int | None]], num_stages: int) -> bool:
     if a.kind is F:
         return a.stage == 0 or (a.stage - 1, F, a.microbatch) in done
-    if a.kind is B:
+    if a.kind in (B, I):  # both send the input gradient the previous stage waits for
         own_forward = (a.stage, F, a.microbatch) in done
-        downstream = a.stage == num_stages - 1 or (a.stage + 1, B, a.microbatch) in done
+        downstream = a.stage == num_stages - 1 or any((a.stage + 1, kind, a.microbatch) in done for kind in (B, I))
         return own_forward and downstream
+    if a.kind is W:
+        return (a.stage, I, a.microbatch) in done
     return True
 
 
@@ -343,11 +442,13 @@ def add_sharding_actions(
 ) -> list[Action]:
     """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
 
-    The unit is a *visit*: a maximal run of consecutive compute actions on one stage. A stage is unsharded
+    The unit is a *visit*: a maximal run of consecutive compute actions on one stage in one direction (forwards;
+    or backwards, where ``B``, ``I`` and ``W`` all need the stage's weights and mix in one visit). A stage is unsharded
     (its weights all-gathered) for a visit; with ``prefetch=k`` the stages of the next ``k`` visits are
     unsharded when the current visit starts, so their gathers overlap this visit's compute (``0``: each stage
     is gathered when its visit starts), and a stage needed again within those ``k`` visits is kept rather
-    than released. ``REDUCE_GRAD`` follows a stage's last backward. When a stage is released depends on ``sharding``:
+    than released. ``REDUCE_GRAD`` follows a stage's last gradient action (``B``, or ``W`` of a split backward).
+    When a stage is released depends on ``sharding``:
 
     - ``"full_shard"`` (ZeRO-3): after every visit, unless one of the next ``prefetch`` visits is to the same
       stage (as with the last local stage, whose forward sweep is followed by its backward sweep).
@@ -355,7 +456,8 @@ def add_sharding_actions(
       backward, after its last forward), so the weights are gathered once per step.
 
     Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
-    ``shard_grad_op``, and at most ``prefetch + 1`` stages' full weights resident at once with ``full_shard``.
+    ``shard_grad_op``, and at most ``prefetch + 1`` stages' full weights resident at once with ``full_shard``
+    (:func:`breadth_first_zb`: at most ``3v − 2`` with ``full_shard``, its deferred ``W``'s gathering again).
 
     - ``"weight_passing"``: like ``"full_shard"`` (a chunk's weights are fetched for a visit and freed after
       it), but its gradients are reduced to their owner after *every* backward visit: a rank holds no
@@ -374,7 +476,7 @@ def add_sharding_actions(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int (stages gathered ahead), got {prefetch!r}")
     visits = _visits(actions)
-    has_backward = any(a.kind is B for a in actions)
+    has_backward = any(a.kind in BACKWARD_KINDS for a in actions)
     last_forward_visit = {v_stage: i for i, (v_stage, kind, _) in enumerate(visits) if kind is F}
     backward_count: Counter[int] = Counter()
     out: list[Action] = []
@@ -397,10 +499,12 @@ def add_sharding_actions(
                 unshard(upcoming)
         out.extend(run)
         finished = False
+        gradients = sum(1 for a in run if a.kind in GRADIENT_KINDS)  # an I-only visit adds no weight gradient
         if kind is B and sharding == "weight_passing":
-            out.append(Action(stage, REDUCE_GRAD))  # per visit, whatever `reduce_grads` (the owner accumulates)
+            if gradients:
+                out.append(Action(stage, REDUCE_GRAD))  # per visit, whatever `reduce_grads` (the owner accumulates)
         elif kind is B:
-            backward_count[stage] += len(run)
+            backward_count[stage] += gradients
             if backward_count[stage] == num_microbatches:
                 if reduce_grads:
                     out.append(Action(stage, REDUCE_GRAD))
@@ -432,14 +536,16 @@ def lower(
 
 
 def _visits(actions: Sequence[Action]) -> list[tuple[int, Kind, list[Action]]]:
+    """Runs of one stage in one direction, each as ``(stage, F or B, actions)``: ``I`` and ``W`` count as ``B``."""
     visits: list[tuple[int, Kind, list[Action]]] = []
     for a in actions:
         if not a.is_compute:
             raise ValueError(f"{a} is not a compute action; lower a compute-only schedule")
-        if visits and visits[-1][0] == a.stage and visits[-1][1] is a.kind:
+        direction = F if a.kind is F else B
+        if visits and visits[-1][0] == a.stage and visits[-1][1] is direction:
             visits[-1][2].append(a)
         else:
-            visits.append((a.stage, a.kind, [a]))
+            visits.append((a.stage, direction, [a]))
     return visits
 
 

@@ -4,7 +4,10 @@ The simulator executes the very action lists the runtime executes (:func:`lightn
 then :func:`~lightning_bfpp.plan.schedule.lower`), rank by rank, with this model of a device:
 
 - compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
-  for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered;
+  for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered; a
+  split backward's input gradient (``I``) takes ``LayerCost.input_grad_s`` and sends the gradient on, its
+  weight gradient (``W``) takes ``LayerCost.weight_grad_s`` and waits only for its ``I``, and the
+  micro-batch's activations are held until its ``W``;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
@@ -36,7 +39,7 @@ from functools import lru_cache
 from lightning_bfpp.plan.cluster import Cluster, Links, links
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
 from lightning_bfpp.plan.partition import balance_by_weight
-from lightning_bfpp.plan.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, generate, lower
+from lightning_bfpp.plan.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, I, W, generate, lower
 from lightning_bfpp.plan.timeline import Span
 
 
@@ -173,6 +176,7 @@ def _run(
     fwd_ready: dict[tuple[int, int], float] = {(0, mb): 0.0 for mb in range(m)}
     bwd_ready: dict[tuple[int, int], float] = {}
     fwd_done: dict[tuple[int, int], float] = {}
+    input_grad_done: set[tuple[int, int | None]] = set()  # (stage, micro-batch) whose I ran: its W may run
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     first_backward: dict[int, float] = {}
     overhead = cluster.action_overhead_s
@@ -241,7 +245,7 @@ def _run(
                         send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
                     else:
                         bwd_ready[key] = end
-                elif a.kind is B:
+                elif a.kind in (B, I):
                     key = (a.stage, a.microbatch)
                     if key not in bwd_ready or key not in fwd_done:
                         break
@@ -249,12 +253,23 @@ def _run(
                     if sharded and a.stage not in first_backward:
                         first_backward[a.stage] = start
                         r.memory.append((start, cost.param_bytes))  # unsharded gradient buffer
-                    end = start + cost.backward_s + overhead
+                    end = start + (cost.backward_s if a.kind is B else cost.input_grad_s) + overhead
+                    spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
+                    r.host = end
+                    if a.kind is B:
+                        r.memory.append((end, -cost.saved_bytes))
+                    else:
+                        input_grad_done.add(key)  # the activations stay for the W
+                    if a.stage > 0:
+                        send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
+                elif a.kind is W:
+                    if (a.stage, a.microbatch) not in input_grad_done:
+                        break
+                    start = wait_compute(rank, r, a.stage, r.host)  # waits for nothing but the stage's gather
+                    end = start + cost.weight_grad_s + overhead
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
                     r.memory.append((end, -cost.saved_bytes))
-                    if a.stage > 0:
-                        send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
                 elif a.kind is REDUCE_GRAD:
                     start = max(r.host, r.dp_free)
                     if dp > 1:

@@ -133,3 +133,17 @@ def assert_params_match(result: RunResult, reference: Any, *, tol: float) -> flo
     worst = max(relative_error(result.params[k], reference.params[k]) for k in reference.params)
     assert worst <= tol, f"largest relative parameter error {worst:.2e}"
     return worst
+
+
+def assert_trained_as_on_one_device(result: RunResult, run: RunSpec, *, tol: float) -> Any:
+    """A pipelined run of the suite's module (``tests.models``) equals the same run on one process: every step's
+    logged loss on every rank and every final parameter (relative ``tol``), and every weight moved by more than
+    30 times ``tol``, so that agreeing is not trivial. Returns the one-device reference."""
+    from tests.models import make_model, reference_run
+
+    ref = reference_run(run)
+    assert_steps_match(result, ref, tol=tol)
+    assert_params_match(result, ref, tol=tol)
+    initial = make_model(run).state_dict()
+    assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 30 * tol
+    return ref

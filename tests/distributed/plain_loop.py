@@ -1,11 +1,11 @@
 """The engine driven from a plain torch loop: no Lightning, no strategy (see test_plain_loop.py).
 
 ``python -m tests.distributed.plain_loop OUT`` spawns 4 CPU processes (gloo): a pipeline of 2 ranks × 2
-data-parallel replicas, 2 stages per rank, breadth-first, fully sharded. Each process builds its part with the
-engine's builder (``engine.build``: stage plan, local layers, initial values, FSDP2 sharding), runs 4 training steps with
-its own SGD optimizer, where the step is two callbacks (the first stage's input; the last stage's loss), and
-writes the model's full weights and the losses it saw to ``OUT/rank<r>.pt``. Lightning and torchmetrics
-are blocked from import in the processes, so the run also shows the engine needs neither.
+data-parallel replicas, 2 stages per rank, breadth-first, fully sharded. Each process builds its part with
+the engine's builder (``engine.build``: stage plan, local layers, initial values, FSDP2 sharding), runs 4
+training steps with its own SGD optimizer, where the step is two callbacks (the first stage's input; the last
+stage's loss), and writes the model's full weights and the losses it saw to ``OUT/rank<r>.pt``. Lightning and
+torchmetrics are blocked from import in the processes, so the run also shows the engine needs neither.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
     """Refuses Lightning and torchmetrics, and records every attempt (an optional import that caught the
     refusal would otherwise go unseen)."""
 
-    attempts: list[str] = []
+    attempts: ClassVar[list[str]] = []
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name.split(".")[0] in {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}:
@@ -80,10 +80,6 @@ def run(rank: int, out: str, init_file: str) -> None:
     import lightning_bfpp  # noqa: F401  the package asks for Lightning once, to register the strategy if it can
 
     _Refuse.attempts.clear()  # from here on the engine must not even try
-    from lightning_bfpp.engine.executors import StageExecutor
-    from lightning_bfpp.engine.layers import StageModule
-    from lightning_bfpp.engine.pipeline import Pipeline
-    from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh, shard_stage
     from lightning_bfpp.engine.build import Placement, place, plan_stages
     from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh
     from lightning_bfpp.plan.config import MeshShape, PipelineConfig

@@ -350,6 +350,16 @@ class Probe(L.Callback):
             and torch_schedules._wait_batch_p2p is ORIGINAL_RUNTIME[1]
         )
         self.holdings["hooked_steps"] = sorted(self.events.hooked_steps)
+        self.holdings["tensor_rank"] = getattr(trainer.strategy, "tensor_rank", 0)
+        # parameters split over the tensor group (a DTensor on a mesh with a tensor-parallel dimension)
+        self.holdings["tensor_parallel_parameters"] = sorted(
+            n
+            for n, p in pl_module.named_parameters()
+            if isinstance(p, DTensor) and "tensor_parallel" in (p.device_mesh.mesh_dim_names or ())
+        )
+        self.holdings["tensor_parallel_size"] = getattr(
+            getattr(trainer.strategy, "config", None), "tensor_parallel_size", 1
+        )
         self.holdings["receive_placement"] = _receive_placement(trainer.strategy)
         for handle in self._hooks:
             handle.remove()
@@ -555,7 +565,7 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     strategy = trainer.strategy
     if strategy.config.schedule == "weight_passing":  # every rank owns one chunk
         torch.save(params, out / f"params_pp0_owner{strategy.global_rank}.pt")
-    elif strategy.data_parallel_rank == 0:
+    elif strategy.data_parallel_rank == 0 and strategy.tensor_rank == 0:
         torch.save(params, out / f"params_pp{strategy.pipeline_rank}.pt")
     trainer.strategy.barrier()
 

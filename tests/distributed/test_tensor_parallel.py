@@ -1,0 +1,159 @@
+"""Tensor parallelism inside the pipeline's stages equals one device.
+
+The suite's ``PipeNet`` with its blocks' MLPs split over the tensor group (``tests/tp_models.py``): ``up``
+column-wise, ``down`` row-wise. Breadth-first, ``full_shard``, fp32, against the same module trained on one
+process: losses at every step on every rank and every final weight within 1e-5.
+
+- 4 processes, p=2 t=2: the layers parallelised by the module's ``parallelize_layer`` (per stage, after the
+  split) and by Lightning's ``configure_model`` convention (before it), the latter with gradient clipping
+  that clips (the norm is the whole model's: pipeline, data and tensor shards), and AdamW over two
+  parameter groups with a checkpoint after the first epoch, resumed at t=1 under two other layouts (p=4; p=2
+  dp=2) equal to the run that did not stop;
+- 8 processes, p=2 t=2 dp=2;
+- a Hugging Face Llama parallelised by its own ``base_model_tp_plan`` (q/k/v, gate and up column-wise, o and down
+  row-wise, the LM head column-wise with its logits gathered), at p=2 t=2 and p=2 t=2 dp=2;
+- refused, on every rank with the reason: a ``configure_model`` that parallelises a module outside
+  ``pipeline_layers()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import assert_trained_as_on_one_device, launch, relative_error
+from tests.models import RunSpec, reference_run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+TOL = 1e-5
+FACTORY = "tests.tp_models:make"
+P2_T2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
+ADAMW = {"optimizer": "adamw", "param_groups": 2, "scheduler": "step"}
+
+
+def tp_run(name: str, *, tp: str = "layer", strategy=None, dp: int = 1, model=None, **kwargs) -> RunSpec:
+    return RunSpec(
+        name=name,
+        strategy={**P2_T2, **(strategy or {})},
+        model={"optimizer": "sgd", "tp": tp, **(model or {})},
+        model_factory=FACTORY,
+        local_batch_size=8,
+        data_parallel_size=dp,
+        **kwargs,
+    )
+
+
+def epochs_run(name: str, strategy: dict, dp: int, epochs: int, **kwargs) -> RunSpec:
+    """48 samples, a global batch of 16: 3 steps per epoch (see test_checkpoint.py)."""
+    return RunSpec(
+        name=name,
+        strategy=strategy,
+        model={**ADAMW, "tp": "layer"},
+        model_factory=FACTORY,
+        data={"num_samples": 48},
+        trainer={"max_epochs": epochs, "max_steps": -1},
+        local_batch_size=16 // dp,
+        data_parallel_size=dp,
+        **kwargs,
+    )
+
+
+FOUR = [
+    tp_run("tp_layer"),
+    tp_run("tp_configure_model_clipped", tp="configure_model", trainer={"gradient_clip_val": 0.05}),
+    epochs_run("tp_straight", P2_T2, 1, 2),
+    epochs_run("tp_half", P2_T2, 1, 1, checks=["save_at_end"]),
+    epochs_run("resume_t1_p4", {"pipeline_parallel_size": 4, "stages_per_rank": 1, "num_microbatches": 4}, 1, 2,
+               resume_from="tp_half/end.ckpt"),
+    epochs_run("resume_t1_p2_dp2", {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}, 2, 2,
+               resume_from="tp_half/end.ckpt"),
+    tp_run("tp_outside", tp="outside", expect_error=True),
+]  # fmt: skip
+
+
+def hf_run(name: str, dp: int = 1) -> RunSpec:
+    """A tiny Llama (grouped-query attention, 3 blocks) with the model's own `base_model_tp_plan`."""
+    return RunSpec(
+        name=name,
+        strategy=dict(P2_T2),
+        model={"family": "llama", "layers": 3, "optimizer": "sgd"},
+        model_factory="tests.hf_models:hf_module",
+        loader_factory="tests.hf_models:hf_loader",
+        local_batch_size=8,
+        data_parallel_size=dp,
+    )
+
+
+FOUR.append(hf_run("hf_llama_p2_t2"))
+EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2)]
+EQUAL = [*FOUR[:3], EIGHT[0]]
+HF = [FOUR[-1], EIGHT[1]]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = launch(FOUR, 4, tmp_path_factory.mktemp("tp4"), timeout=600)
+    out.update(launch(EIGHT, 8, tmp_path_factory.mktemp("tp8"), timeout=600))
+    return out
+
+
+@pytest.mark.parametrize("run", HF, ids=lambda r: r.name)
+def test_a_hugging_face_llama_trains_with_its_own_plan_as_on_one_device(run, results):
+    pytest.importorskip("transformers")
+    from tests.hf_models import assert_trained_as_reference, hf_reference_run
+
+    result = results[run.name]
+    assert_trained_as_reference(result, hf_reference_run(run), run, tol=TOL, atol=1e-6)
+    assert [r["holdings"]["tensor_rank"] for r in result.ranks] == [0, 1] * (len(result.ranks) // 2)
+    split = {n for r in result.ranks for n in r["holdings"]["tensor_parallel_parameters"]}
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    projections += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    want = {f"blocks.{b}.layer.{proj}.weight" for b in range(3) for proj in projections} | {"head.lm_head.weight"}
+    assert split == want
+
+
+@pytest.mark.parametrize("run", EQUAL, ids=lambda r: r.name)
+def test_trains_as_on_one_device(run, results):
+    result = results[run.name]
+    assert_trained_as_on_one_device(result, run, tol=TOL)
+    holdings = [r["holdings"] for r in result.ranks]
+    # every rank's blocks are split over its tensor group: half of each MLP weight per tensor rank (and per
+    # data-parallel shard, under full_shard), the embedding and head whole
+    assert all(h["tensor_parallel_size"] == 2 for h in holdings)
+    assert [h["tensor_rank"] for h in holdings] == [0, 1] * (len(holdings) // 2)  # consecutive global ranks
+    # the blocks' MLPs are split over the tensor group, and nothing else
+    split = {n for h in holdings for n in h["tensor_parallel_parameters"]}
+    assert split == {f"blocks.{b}.{lin}.{w}" for b in range(8) for lin in ("up", "down") for w in ("weight", "bias")}
+
+
+def test_clipping_uses_the_whole_models_norm(results):
+    """The clipped run clipped (its one-device norm is above the threshold) and equals one device (above); the
+    norm every rank computes (``strategy.gradient_norm``: pipeline, data and tensor shards) is one device's."""
+    run = EQUAL[1]
+    ref = reference_run(run)
+    norms = [s["grad_norm"] for s in ref.steps]
+    assert all(n is not None and n > 0.05 for n in norms), norms
+    for rank in results[run.name].ranks:
+        assert [s["grad_norm"] for s in rank["steps"]] == pytest.approx(norms, rel=TOL)
+
+
+@pytest.mark.parametrize("name", ["resume_t1_p4", "resume_t1_p2_dp2"])
+def test_a_tensor_parallel_checkpoint_resumes_without_tensor_parallelism(name, results):
+    straight, resumed = results["tp_straight"], results[name]
+    for rank in range(4):
+        got = [s["callback_metrics"]["train_loss"] for s in resumed.steps(rank)]
+        want = [s["callback_metrics"]["train_loss"] for s in straight.steps(0)][3:]
+        assert got == pytest.approx(want, rel=TOL)
+    assert max(relative_error(resumed.params[k], straight.params[k]) for k in straight.params) < TOL
+    assert straight.optimizer_state
+    assert max(relative_error(resumed.optimizer_state[k], straight.optimizer_state[k])
+               for k in straight.optimizer_state) < TOL  # fmt: skip
+
+
+def test_parallelising_outside_the_pipeline_layers_is_refused(results):
+    errors = [r["error"] for r in results["tp_outside"].ranks]
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert (
+        "`extra.weight` is a tensor-parallel (DTensor) parameter outside the module's `pipeline_layers()`"
+        in (errors[0])
+    )

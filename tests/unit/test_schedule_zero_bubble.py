@@ -1,0 +1,323 @@
+"""Breadth-first with the backward split into input (``I``) and weight (``W``) gradients: validity, against our
+validator and torch's, the sweeps it keeps, its lowering, and the bubble it removes (pure; no processes)."""
+
+import itertools
+
+import pytest
+from torch.distributed.pipelining.schedules import _Action as TorchAction
+from torch.distributed.pipelining.schedules import _add_send_recv, _validate_schedule
+from torch.distributed.pipelining.schedules import _ComputationType as TorchKind
+
+from lightning_bfpp.plan import Cluster, LayerCost, ModelProfile, PlanConfig, gpt, simulate, uniform
+from lightning_bfpp.plan.costs import stage_costs
+from lightning_bfpp.plan.schedule import (
+    LOOPED_SCHEDULES,
+    REDUCE_GRAD,
+    RESHARD,
+    SCHEDULES,
+    UNSHARD,
+    Action,
+    B,
+    F,
+    I,
+    Kind,
+    ScheduleError,
+    W,
+    add_sharding_actions,
+    breadth_first,
+    breadth_first_zb,
+    count,
+    generate,
+    lower,
+    max_resident_stages,
+    parse_schedule,
+    validate,
+)
+
+SIZES = [(p, v, m) for p in range(1, 5) for v in range(1, 4) for m in range(1, 2 * p + 3)]
+
+
+def strings(actions):
+    return [str(a) for a in actions]
+
+
+def to_torch(schedule):
+    return {rank: [TorchAction.from_str(str(a)) for a in actions] for rank, actions in schedule.items()}
+
+
+def test_split_backward_actions_round_trip_like_torch():
+    assert Kind("I") is I is Kind.BACKWARD_INPUT and Kind("W") is W is Kind.BACKWARD_WEIGHT
+    for text in ("2I0", "2W0", "13I7", "0W11"):
+        action = Action.parse(text)
+        assert str(action) == text and action.is_compute
+        assert str(TorchAction.from_str(text)) == text
+    assert TorchAction.from_str("2I0").computation_type is TorchKind.BACKWARD_INPUT
+    assert TorchAction.from_str("2W0").computation_type is TorchKind.BACKWARD_WEIGHT
+    assert Action.parse("2W0") == Action(2, W, 0)
+
+
+def test_registered_as_a_looped_schedule():
+    assert "breadth_first_zb" in SCHEDULES and "breadth_first_zb" in LOOPED_SCHEDULES
+    assert generate("breadth_first_zb", 2, 2, 4) == breadth_first_zb(2, 2, 4)
+    with pytest.raises(ValueError, match="applies to schedule='depth_first'"):
+        generate("breadth_first_zb", 2, 2, 4, microbatch_group_size=2)
+    with pytest.raises(ValueError, match="positive int"):
+        breadth_first_zb(2, 0, 4)
+
+
+def test_golden_p2_v2_m4():
+    # the forward and input-gradient sweeps of breadth-first; the weight gradients fill the cool-down, the stage
+    # whose input gradients ran last (still gathered) first
+    schedule = breadth_first_zb(2, 2, 4)
+    assert strings(schedule[0]) == [
+        "0F0", "0F1", "0F2", "0F3", "2F0", "2F1", "2F2", "2F3",
+        "2I0", "2I1", "2I2", "2I3", "0I0", "0I1", "0I2", "0I3",
+        "0W0", "0W1", "0W2", "0W3", "2W0", "2W1", "2W2", "2W3",
+    ]  # fmt: skip
+    assert strings(lower(schedule, "full_shard", 4)[0]) == [
+        "0UNSHARD", "2UNSHARD", "0F0", "0F1", "0F2", "0F3", "0RESHARD",
+        "2F0", "2F1", "2F2", "2F3",
+        "0UNSHARD", "2I0", "2I1", "2I2", "2I3", "2RESHARD",
+        "2UNSHARD", "0I0", "0I1", "0I2", "0I3", "0W0", "0W1", "0W2", "0W3", "0REDUCE_GRAD", "0RESHARD",
+        "2W0", "2W1", "2W2", "2W3", "2REDUCE_GRAD", "2RESHARD",
+    ]  # fmt: skip
+
+
+def test_weight_gradients_fill_the_waits_between_sweeps_when_m_is_below_p():
+    schedule = breadth_first_zb(4, 2, 2)
+    # stage 4's input gradients come back before micro-batch 0 has gone round the ring: its W's fill the wait
+    assert strings(schedule[0]) == ["0F0", "0F1", "4F0", "4F1", "4I0", "4I1", "4W0", "4W1", "0I0", "0I1", "0W0", "0W1"]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), SIZES)
+def test_valid_for_us_and_for_torch_and_keeps_the_sweeps(p, v, m):
+    schedule = breadth_first_zb(p, v, m)
+    validate(schedule, p, v, m)
+    # torch's own checks: counts per stage, F before I before W, each stage on one rank; and it can place the
+    # sends and receives (its lowering simulates the schedule and refuses one that hangs)
+    mapping = _validate_schedule(to_torch(schedule), p, p * v, m)
+    assert mapping == {s: s % p for s in range(p * v)}
+    lowered = lower(schedule, "full_shard", m)
+    _validate_schedule(to_torch(lowered), p, p * v, m)
+    _add_send_recv(to_torch(lowered), stage_to_rank=lambda s: s % p, num_stages=p * v)
+
+    reference = breadth_first(p, v, m)
+    for rank, actions in schedule.items():
+        # the F and I actions are breadth-first's order, with I in place of B: each stage visited once per sweep
+        sweeps = [a for a in actions if a.kind is not W]
+        assert sweeps == [Action(a.stage, I if a.kind is B else a.kind, a.microbatch) for a in reference[rank]]
+        for stage, kind in itertools.product({a.stage for a in actions}, (F, I)):
+            where = [i for i, a in enumerate(sweeps) if a.stage == stage and a.kind is kind]
+            assert where == list(range(where[0], where[0] + m)), f"rank {rank}: {stage}{kind.value} not one sweep"
+        # every (stage, micro-batch) once per kind, W after its I
+        position = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(actions)}
+        assert len(position) == len(actions) == 3 * v * m
+        for stage, mb in itertools.product({a.stage for a in actions}, range(m)):
+            assert position[(stage, F, mb)] < position[(stage, I, mb)] < position[(stage, W, mb)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), SIZES)
+def test_lowering_gathers_for_every_compute_and_reduces_after_the_last_w(p, v, m):
+    schedule = breadth_first_zb(p, v, m)
+    for sharding, prefetch in itertools.product(("full_shard", "shard_grad_op", "no_shard"), (0, 1, 2)):
+        lowered = lower(schedule, sharding, m, prefetch=prefetch)
+        for rank, actions in lowered.items():
+            resident: set[int] = set()
+            for a in actions:
+                if a.kind is UNSHARD:
+                    assert a.stage not in resident
+                    resident.add(a.stage)
+                elif a.kind is RESHARD:
+                    resident.remove(a.stage)
+                elif a.is_compute:
+                    assert a.stage in resident, f"{a} computes on a sharded stage"
+            assert not resident
+            assert count(actions, REDUCE_GRAD) == v
+            for stage in {a.stage for a in actions}:
+                reduce_at = actions.index(Action(stage, REDUCE_GRAD))
+                last_w = max(i for i, a in enumerate(actions) if a.kind is W and a.stage == stage)
+                assert reduce_at == last_w + 1, (rank, strings(actions))
+            gathers = count(actions, UNSHARD)
+            if sharding != "full_shard":
+                assert gathers == v  # once per step, as breadth-first
+            elif prefetch >= 1:
+                # one more gather than breadth-first for each stage whose W's run after a later stage's visit
+                assert gathers <= 3 * v - 2
+                if m >= p and prefetch == 1:  # a longer look-ahead keeps some stages between their I's and W's
+                    assert gathers == 3 * v - 2
+                assert max_resident_stages(actions) <= prefetch + 1
+    breadth = lower(breadth_first(p, v, m), "full_shard", m)
+    assert count(breadth[0], UNSHARD) == 2 * v - 1
+
+
+def test_weight_passing_lowering_reduces_only_after_visits_with_weight_gradients():
+    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "weight_passing", 2)
+    assert strings(lowered) == [
+        "0UNSHARD", "1UNSHARD", "0F0", "0F1", "0RESHARD", "1F0", "1F1",
+        "0UNSHARD", "1I0", "1I1", "1RESHARD",  # input gradients only: nothing to reduce yet
+        "1UNSHARD", "0I0", "0I1", "0W0", "0W1", "0REDUCE_GRAD", "0RESHARD",
+        "1W0", "1W1", "1REDUCE_GRAD", "1RESHARD",
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# the bubble
+
+
+DURATIONS = {F: 1, B: 2, I: 1, W: 1}  # f = i = w = 1, and breadth-first's whole backward b = i + w
+
+
+def makespan(schedule, num_stages):
+    """List scheduling with these unit times: each rank runs its list in order, each action as soon as its inputs
+    exist (no transfer time). Returns the step time and each action's start."""
+    start: dict[tuple[int, Kind, int], int] = {}
+    end: dict[tuple[int, Kind, int], int] = {}
+    free = dict.fromkeys(schedule, 0)
+    cursor = dict.fromkeys(schedule, 0)
+    while any(cursor[r] < len(schedule[r]) for r in schedule):
+        progressed = False
+        for rank, actions in schedule.items():
+            while cursor[rank] < len(actions):
+                a = actions[cursor[rank]]
+                if a.kind is F:
+                    needs = [] if a.stage == 0 else [(a.stage - 1, F, a.microbatch)]
+                elif a.kind is W:
+                    needs = [(a.stage, I, a.microbatch)]
+                else:
+                    downstream = (a.stage + 1, B if (a.stage + 1, B, a.microbatch) in end else I, a.microbatch)
+                    needs = [(a.stage, F, a.microbatch)] + ([downstream] if a.stage + 1 < num_stages else [])
+                if any(n not in end for n in needs):
+                    break
+                key = (a.stage, a.kind, a.microbatch)
+                start[key] = max([free[rank]] + [end[n] for n in needs])
+                end[key] = free[rank] = start[key] + DURATIONS[a.kind]
+                cursor[rank] += 1
+                progressed = True
+        assert progressed, "deadlock"
+    return max(free.values()), start
+
+
+def bubble_ratio(p, v, m):
+    zero_bubble, _ = makespan(breadth_first_zb(p, v, m), p * v)
+    breadth, _ = makespan(breadth_first(p, v, m), p * v)
+    return zero_bubble, breadth, zero_bubble / breadth
+
+
+def test_the_split_removes_the_weight_gradients_from_the_bubble():
+    p, v, m = 4, 2, 4
+    zero_bubble, breadth, ratio = bubble_ratio(p, v, m)
+    print(f"\np={p} v={v} m={m}: breadth_first_zb {zero_bubble} / breadth_first {breadth} = {ratio:.3f}")
+    assert breadth == 3 * v * m + 3 * (p - 1)  # (p − 1)·(f + b) of bubble
+    # (p − 1)·(f + i) remains: the forward fill and the first input gradient's way down, since the sweeps put every
+    # forward before the first I and no W exists before it. The (p − 1)·f of 1F1B-based zero-bubble schedules
+    # (27 units here, a ratio of 0.82) needs forwards after input gradients, which breaks the sweeps.
+    assert zero_bubble == 3 * v * m + 2 * (p - 1)
+    assert ratio == pytest.approx(10 / 11) and ratio <= 0.91
+    # no W placement does better: rank 0's first I starts no earlier than with no W's at all, at v·m + 2(p − 1),
+    # and 2·v·m units of its work follow it, which this schedule runs without a gap
+    sweeps_only = {r: [a for a in acts if a.kind is not W] for r, acts in breadth_first_zb(p, v, m).items()}
+    _, earliest = makespan(sweeps_only, p * v)
+    _, start = makespan(breadth_first_zb(p, v, m), p * v)
+    first_input = ((v - 1) * p, I, 0)
+    assert start[first_input] == earliest[first_input] == v * m + 2 * (p - 1)
+    assert start[first_input] + 2 * v * m == zero_bubble
+    # the plan's simulator, with the same unit times, agrees
+    profile = ModelProfile((LayerCost(1.0, 2.0, 1, 0, 0, backward_weight_s=1.0),) * (p * v))
+    cluster = Cluster(1, 8, 2**40, 1e30, 1e30, latency_s=0.0)
+    simulated = {
+        s: simulate(PlanConfig(s, p, 1, v, m, 1), profile, cluster).step_time
+        for s in ("breadth_first_zb", "breadth_first")
+    }
+    assert simulated == {"breadth_first_zb": zero_bubble, "breadth_first": breadth}
+
+
+@pytest.mark.parametrize(
+    ("p", "v", "m", "expected"),
+    [
+        (4, 1, 4, 18 / 21),
+        (8, 2, 8, 62 / 69),
+        (4, 2, 2, 20 / 27),  # m < p: the W's also fill the waits between sweeps
+        (4, 3, 2, 28 / 39),
+        (2, 2, 4, 26 / 27),
+        (4, 2, 8, 54 / 57),
+    ],
+)
+def test_ratio_table(p, v, m, expected):
+    zero_bubble, breadth, ratio = bubble_ratio(p, v, m)
+    print(f"\np={p} v={v} m={m}: {zero_bubble} / {breadth} = {ratio:.3f}")
+    assert ratio == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), SIZES)
+def test_never_slower_than_breadth_first_and_optimal_for_m_at_least_p(p, v, m):
+    zero_bubble, breadth, _ = bubble_ratio(p, v, m)
+    assert zero_bubble <= breadth
+    if m >= p:
+        assert zero_bubble == 3 * v * m + 2 * (p - 1)
+
+
+def test_costs_split_the_backward_without_changing_whole_backward_schedules():
+    layer = LayerCost(1.0, 3.0, 8, 2, 2)
+    assert layer.weight_grad_s == 1.5 and layer.input_grad_s == 1.5  # unmeasured: half and half
+    measured = LayerCost(1.0, 3.0, 8, 2, 2, backward_weight_s=1.0)
+    assert measured.input_grad_s == 2.0 and measured.scaled(2).backward_weight_s == 2.0
+    assert stage_costs([layer, layer], [2])[0].backward_weight_s is None
+    assert stage_costs([layer, measured], [2])[0].backward_weight_s == 2.5
+    recomputed = gpt(2, 1024, 512, 100, flops_per_second=1e14, recompute=True).layers[1]
+    assert recomputed.input_grad_s == pytest.approx(2 * recomputed.weight_grad_s)  # recomputation goes with I
+    # a whole backward takes backward_s whatever the split
+    cluster = Cluster(4, 4, 2**40, 1e11, 1e11)
+    split = ModelProfile((measured,) * 4)
+    config = PlanConfig("breadth_first", 2, 2, 2, 4, 1)
+    assert simulate(config, split, cluster).step_time == simulate(config, ModelProfile((layer,) * 4), cluster).step_time
+    # sharded and data-parallel: the zero-bubble schedule runs in the simulator too, and is faster here
+    profile = uniform(8, 1e-3, 2e-3, 2**20, 2**10, 2**10)
+    times = {
+        s: simulate(PlanConfig(s, 4, 2, 2, 4, 1, "full_shard"), profile, cluster).step_time
+        for s in ("breadth_first", "breadth_first_zb")
+    }
+    assert times["breadth_first_zb"] < times["breadth_first"]
+
+
+# --------------------------------------------------------------------------------------------------
+# what the validator refuses
+
+
+def test_validator_refuses_a_w_before_its_i_or_a_missing_w():
+    good = {r: strings(a) for r, a in breadth_first_zb(2, 1, 2).items()}
+    assert good == {0: ["0F0", "0F1", "0I0", "0I1", "0W0", "0W1"], 1: ["1F0", "1F1", "1I0", "1I1", "1W0", "1W1"]}
+    w_first = {0: ["0F0", "0F1", "0W0", "0I0", "0I1", "0W1"], 1: good[1]}
+    with pytest.raises(ScheduleError, match=r"0W0 runs before 0I0"):
+        validate(parse_schedule(w_first), 2, 1, 2)
+    with pytest.raises(AssertionError, match="without first running Backward Input"):
+        _validate_schedule(to_torch(parse_schedule(w_first)), 2, 2, 2)
+    missing_w = {0: good[0][:-1], 1: good[1]}
+    with pytest.raises(ScheduleError, match=r"0W1 0 times, expected once"):
+        validate(parse_schedule(missing_w), 2, 1, 2)
+    with pytest.raises(AssertionError, match="I and W must have equal counts"):
+        _validate_schedule(to_torch(parse_schedule(missing_w)), 2, 2, 2)
+    both = {0: [*good[0], "0B0"], 1: good[1]}
+    with pytest.raises(ScheduleError, match=r"0B0 1 times, expected none beside its I and W"):
+        validate(parse_schedule(both), 2, 1, 2)
+    twice = {0: [*good[0], "0W0"], 1: good[1]}
+    with pytest.raises(ScheduleError, match=r"0W0 2 times"):
+        validate(parse_schedule(twice), 2, 1, 2)
+
+
+def test_validator_makes_i_wait_for_the_next_stage_and_w_for_its_own_i_only():
+    validate(parse_schedule({0: ["0F0", "0I0", "0W0"], 1: ["1F0", "1I0", "1W0"]}), 2, 1, 1)
+    # a whole B downstream of an I satisfies it too, as torch's runtime allows
+    validate(parse_schedule({0: ["0F0", "0I0", "0W0"], 1: ["1F0", "1B0"]}), 2, 1, 1)
+    # rank 0 holds back 0F1 until its 0I0 is done, which needs rank 1's 1I0, which rank 1 runs only after 1F1: stuck
+    stuck = parse_schedule(
+        {0: ["0F0", "0I0", "0F1", "0I1", "0W0", "0W1"], 1: ["1F0", "1F1", "1I0", "1I1", "1W0", "1W1"]}
+    )
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(stuck, 2, 1, 2)
+    # the same with rank 1 running 1I0 first: a W anywhere after its I waits for nothing else
+    flowing = parse_schedule(
+        {0: ["0F0", "0I0", "0F1", "0I1", "0W0", "0W1"], 1: ["1F0", "1I0", "1F1", "1W0", "1I1", "1W1"]}
+    )
+    validate(flowing, 2, 1, 2)
+    with pytest.raises(ScheduleError, match="backward in a forward-only schedule"):
+        validate(parse_schedule({0: ["0F0", "0I0"]}), 1, 1, 1, backward=False)
