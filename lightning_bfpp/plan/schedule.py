@@ -136,39 +136,62 @@ def breadth_first_zb(pipeline_parallel_size: int, stages_per_rank: int, num_micr
 
 
 def _fill_with_weight_gradients(sweeps: Schedule, num_stages: int) -> Schedule:
-    """Add one ``W`` after each ``I`` of ``sweeps``: in the rank's waits (unit-time list scheduling), else at the end.
+    """Add one ``W`` after each ``I`` of ``sweeps``: in the rank's waits (list scheduling in unit times), else at
+    the end.
 
     A wait is filled only with ``W``'s of the stage of the rank's latest ``I``: that stage is gathered, so under
     full sharding the filling costs no gather, and each stage's remaining ``W``'s form one run at the end.
+    Stage 0's ``I`` takes no time and its ``W`` two units, as torch's runtime runs them: the first stage has no
+    input gradient to compute, so its whole backward happens in ``W`` (``PipelineStage.backward_one_chunk``
+    skips the input pass there).
     """
-    done: set[tuple[int, Kind, int | None]] = set()
+
+    def duration(a: Action) -> int:
+        if a.stage == 0 and a.kind in (I, W):
+            return 0 if a.kind is I else 2
+        return 1
+
+    finished_at: dict[tuple[int, Kind, int | None], int] = {}
     cursor = dict.fromkeys(sweeps, 0)
+    free_at = dict.fromkeys(sweeps, 0)
     out: Schedule = {rank: [] for rank in sweeps}
     pending: dict[int, dict[int, list[int]]] = {rank: {} for rank in sweeps}  # rank → stage → micro-batches
     latest: dict[int, list[int]] = {rank: [] for rank in sweeps}  # stages by their latest I, most recent last
+    now = 0
     while any(cursor[rank] < len(actions) for rank, actions in sweeps.items()):
-        finished: list[Action] = []
+        done = {key for key, at in finished_at.items() if at <= now}
+        progressed = False
         for rank, actions in sweeps.items():
-            if cursor[rank] < len(actions) and _ready(actions[cursor[rank]], done, num_stages):
-                a = actions[cursor[rank]]
-                cursor[rank] += 1
-                if a.kind is I and a.microbatch is not None:
-                    pending[rank].setdefault(a.stage, []).append(a.microbatch)
-                    if a.stage in latest[rank]:
-                        latest[rank].remove(a.stage)
-                    latest[rank].append(a.stage)
-            elif latest[rank] and pending[rank][latest[rank][-1]]:
-                stage = latest[rank][-1]
-                a = Action(stage, W, pending[rank][stage].pop(0))
-            else:
-                continue  # the rank waits
-            out[rank].append(a)
-            finished.append(a)
-        if not finished:
+            while free_at[rank] <= now:
+                if cursor[rank] < len(actions) and _ready(actions[cursor[rank]], done, num_stages):
+                    a = actions[cursor[rank]]
+                    cursor[rank] += 1
+                    if a.kind is I and a.microbatch is not None:
+                        pending[rank].setdefault(a.stage, []).append(a.microbatch)
+                        if a.stage in latest[rank]:
+                            latest[rank].remove(a.stage)
+                        latest[rank].append(a.stage)
+                elif latest[rank] and pending[rank][latest[rank][-1]]:
+                    stage = latest[rank][-1]
+                    a = Action(stage, W, pending[rank][stage].pop(0))
+                else:
+                    break  # the rank waits
+                out[rank].append(a)
+                finished_at[(a.stage, a.kind, a.microbatch)] = now + duration(a)
+                free_at[rank] = now + duration(a)
+                progressed = True
+                if duration(a):
+                    break
+                done.add((a.stage, a.kind, a.microbatch))
+        if (
+            not progressed
+            and all(free_at[rank] <= now for rank in sweeps)
+            and max(finished_at.values(), default=0) <= now
+        ):
             raise ScheduleError(
                 "the sweeps deadlock before their weight gradients are placed\n" + format_schedule(sweeps)
             )
-        done.update((a.stage, a.kind, a.microbatch) for a in finished)
+        now += 1
     for rank in sweeps:
         for stage in reversed(latest[rank]):
             out[rank] += [Action(stage, W, mb) for mb in pending[rank][stage]]

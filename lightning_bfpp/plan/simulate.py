@@ -6,7 +6,8 @@ then :func:`~lightning_bfpp.plan.schedule.lower`), rank by rank, with this model
 - compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
   for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered; a
   split backward's input gradient (``I``) takes ``LayerCost.input_grad_s`` and sends the gradient on, its
-  weight gradient (``W``) takes ``LayerCost.weight_grad_s`` and waits only for its ``I``, and the
+  weight gradient (``W``) takes ``LayerCost.weight_grad_s`` and waits only for its ``I`` (stage 0, with no
+  input gradient to compute, spends its whole backward in ``W``, as torch's runtime does), and the
   micro-batch's activations are held until its ``W``;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute;
@@ -253,7 +254,9 @@ def _run(
                     if sharded and a.stage not in first_backward:
                         first_backward[a.stage] = start
                         r.memory.append((start, cost.param_bytes))  # unsharded gradient buffer
-                    end = start + (cost.backward_s if a.kind is B else cost.input_grad_s) + overhead
+                    # stage 0 has no input gradient: torch's runtime runs its whole backward in the W
+                    split = 0.0 if a.stage == 0 else cost.input_grad_s
+                    end = start + (cost.backward_s if a.kind is B else split) + overhead
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
                     if a.kind is B:
@@ -266,7 +269,7 @@ def _run(
                     if (a.stage, a.microbatch) not in input_grad_done:
                         break
                     start = wait_compute(rank, r, a.stage, r.host)  # waits for nothing but the stage's gather
-                    end = start + cost.weight_grad_s + overhead
+                    end = start + (cost.backward_s if a.stage == 0 else cost.weight_grad_s) + overhead
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
                     r.memory.append((end, -cost.saved_bytes))
