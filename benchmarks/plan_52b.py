@@ -32,6 +32,7 @@ BATCHES = (32, 64, 128, 256, 512)
 # forward order becomes breadth-first's); GPipe is left out: 1F1B's step time with more memory
 ROWS = {
     "breadth_first": ("breadth_first", "all"),
+    "breadth_first_zb": ("breadth_first_zb", "all"),
     "depth_first (N = p)": ("depth_first", "pipeline"),
     "depth_first (N tuned)": ("depth_first", "all"),
     "1f1b": ("1f1b", "all"),
