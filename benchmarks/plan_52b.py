@@ -1,6 +1,7 @@
 """The planner's predictions for the paper's headline regime: a 52B-parameter GPT on 64 GPUs, small batches.
 
     python benchmarks/plan_52b.py            # a markdown table per assumption set (a minute or two)
+    python benchmarks/plan_52b.py --tensor-parallel   # breadth-first + full sharding alone against 3D
 
 For each global batch size, the fastest feasible configuration of each schedule (over pipeline size,
 stages per rank, micro-batches, sharding, mesh order and, for depth-first, the group size), as predicted
@@ -54,7 +55,44 @@ def best_per_schedule(overlap: bool) -> dict[int, dict[str, object]]:
     return table
 
 
+PIPELINES = (4, 8, 16, 32)  # as in the tables above; `--no-pipeline-floor` adds 1 and 2 (sharding alone)
+
+
+def tensor_parallel_rows(overlap: bool = True) -> None:
+    """Breadth-first with full sharding alone against 3D (tensor groups of 2, 4, 8 inside a node), per batch:
+    the fastest feasible configuration of each tensor size."""
+    profile = replace(gpt(**MODEL, flops_per_second=FLOPS, recompute=True), optimizer_state_ratio=6.0)
+    cluster = replace(CLUSTER, overlap_reductions=overlap)
+    print("\n| global batch (per GPU) | tensor size | fastest feasible configuration | step (s) | tokens/s/GPU |"
+          " peak memory (GiB) | against t=1 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for batch in BATCHES:
+        alone = None
+        for t in (1, 2, 4, 8):
+            space = SearchSpace(
+                schedules=("breadth_first",), shardings=("full_shard",), pipeline_sizes=PIPELINES,
+                stages_per_rank=(1, 2, 4, 8), tensor_parallel_sizes=(t,),
+            )  # fmt: skip
+            feasible = [c for c in search(profile, cluster, batch, space) if c.infeasible is None]
+            if not feasible:
+                print(f"| {batch} ({batch / 64:g}) | {t} | none feasible | | | | |")
+                continue
+            pred = feasible[0].prediction
+            alone = alone or pred
+            tokens = batch * MODEL["sequence"] / pred.step_time / 64
+            print(
+                f"| {batch} ({batch / 64:g}) | {t} | {feasible[0].config.describe()} | {pred.step_time:.2f} |"
+                f" {tokens:,.0f} | {pred.peak_memory / 2**30:.1f} | {alone.step_time / pred.step_time - 1:+.0%} |"
+            )
+
+
 def main() -> None:
+    if "--tensor-parallel" in sys.argv:
+        if "--no-pipeline-floor" in sys.argv:
+            global PIPELINES
+            PIPELINES = (1, 2, 4, 8, 16, 32)
+        tensor_parallel_rows()
+        return
     profile = gpt(**MODEL, flops_per_second=FLOPS)
     print(
         f"GPT: {MODEL['num_layers']} layers, hidden {MODEL['hidden']}, sequence {MODEL['sequence']},"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from lightning_bfpp.plan.config import MESH_ORDERS
@@ -94,6 +94,30 @@ def global_rank(pipeline_rank: int, data_rank: int, p: int, dp: int, mesh_order:
     if mesh_order == "pipeline_data":
         return pipeline_rank * dp + data_rank
     raise ValueError(f"unknown mesh order {mesh_order!r}; choose one of {', '.join(MESH_ORDERS)}")
+
+
+def tensor_all_reduce_s(cluster: Cluster, size: int, nbytes: int) -> float:
+    """A ring all-reduce of ``nbytes`` over a tensor group of ``size`` consecutive ranks (inside a node)."""
+    if size <= 1:
+        return 0.0
+    steps = 2 * (size - 1)
+    moved = steps / size * nbytes / cluster.intra_node_bandwidth
+    return cluster.collective_overhead_s + steps * cluster.latency_s + moved
+
+
+def tensor_groups_as_devices(cluster: Cluster, size: int) -> Cluster:
+    """The cluster seen by the pipeline and data-parallel layout when each tensor group of ``size`` ranks acts
+    as one device: ``num_devices / size`` of them, ``devices_per_node / size`` per node. Bandwidths and memory
+    stay per device: each tensor rank sends its own copy of an activation on its own link, and gathers and
+    reduces its own shard of the weights."""
+    if size == 1:
+        return cluster
+    if cluster.devices_per_node % size or cluster.num_devices % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the devices of a node ({cluster.devices_per_node}) and the"
+            f" cluster ({cluster.num_devices})"
+        )
+    return replace(cluster, num_devices=cluster.num_devices // size, devices_per_node=cluster.devices_per_node // size)
 
 
 def _bandwidth(cluster: Cluster, ranks: list[int]) -> float:

@@ -10,7 +10,7 @@ come from a JSON file, from :func:`gpt` (an analytic transformer model, for plan
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +27,10 @@ class LayerCost:
     ``backward_weight_s`` is the part of ``backward_s`` that computes weight gradients, which a zero-bubble
     schedule runs as its own ``W`` action after the input gradient ``I`` (``None``: half of ``backward_s``, as
     for a matrix product, whose two gradients cost the same); schedules with a whole backward use ``backward_s``.
+    ``tensor_parallel_all_reduces``: how many all-reduces of the layer's output a tensor-parallel split of it
+    costs per forward (as many again in its backward: Megatron's attention and MLP, 2 per block); 0: the layer
+    is not split, every tensor rank computes it whole. ``tensor_parallel_saved_bytes``: the part of its
+    activations that a split shards over the tensor group (the rest, norms' and residuals' inputs, stays whole).
     """
 
     forward_s: float
@@ -36,6 +40,8 @@ class LayerCost:
     saved_bytes: int
     activation_bytes: int | None = None
     backward_weight_s: float | None = None
+    tensor_parallel_all_reduces: int = 0
+    tensor_parallel_saved_bytes: int = 0
 
     @property
     def full_activation_bytes(self) -> int:
@@ -60,6 +66,30 @@ class LayerCost:
             int(self.saved_bytes * factor),
             None if self.activation_bytes is None else int(self.activation_bytes * factor),
             None if self.backward_weight_s is None else self.backward_weight_s * factor,
+            self.tensor_parallel_all_reduces,
+            int(self.tensor_parallel_saved_bytes * factor),
+        )
+
+    def split_over_tensor_group(self, size: int, all_reduce_s: Callable[[int], float]) -> LayerCost:
+        """What one rank of a tensor group of ``size`` pays for this layer: ``1/size`` of its compute and
+        weights, the all-reduces of its output (``all_reduce_s(nbytes)``, in the forward and in the input
+        gradient), and its activations less the sharded part's ``(size − 1)/size``. A layer that is not split
+        costs every rank as much as before."""
+        if size == 1 or self.tensor_parallel_all_reduces == 0:
+            return self
+        comm = self.tensor_parallel_all_reduces * all_reduce_s(self.output_bytes)
+        shard = self.tensor_parallel_saved_bytes * (size - 1) // size
+        full = self.full_activation_bytes
+        # kept whole (no recomputation), the saved activations shrink; kept as the block input only, they do not
+        saved = self.saved_bytes - shard if self.saved_bytes >= full else self.saved_bytes
+        return LayerCost(
+            self.forward_s / size + comm,
+            self.backward_s / size + comm,
+            self.param_bytes // size,
+            self.output_bytes,
+            max(saved, 0),
+            None if self.activation_bytes is None else max(full - shard, 0),
+            self.weight_grad_s / size,
         )
 
 
@@ -148,9 +178,12 @@ def gpt(
     boundary = bytes_per_value * b * s * h
     extra = block_flops / flops_per_second if recompute else 0.0  # one more forward in backward
     # the backward's two halves, input and weight gradients, cost a forward each; a recomputation precedes the first
+    # split over a tensor group (Megatron's, no sequence parallelism): two all-reduces of the block's output per
+    # forward and per backward; all activations but the norms' and residuals' inputs (10·s·h bytes) are sharded
     block = LayerCost(block_flops / flops_per_second, 2 * block_flops / flops_per_second + extra,
                       block_params * bytes_per_value, boundary, saved, full,
-                      backward_weight_s=block_flops / flops_per_second)  # fmt: skip
+                      backward_weight_s=block_flops / flops_per_second,
+                      tensor_parallel_all_reduces=2, tensor_parallel_saved_bytes=full - 10 * s * h * b)  # fmt: skip
     embed = LayerCost(0.0, 0.0, (v + s) * h * bytes_per_value, boundary, boundary)
     head_flops = 2 * b * s * h * v
     head = LayerCost(head_flops / flops_per_second, 2 * head_flops / flops_per_second, v * h * bytes_per_value,

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank
+from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank, tensor_groups_as_devices
 from lightning_bfpp.plan.config import SHARDINGS
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.schedule import SCHEDULES
@@ -47,6 +47,8 @@ class SearchSpace:
     max_actions_per_rank: int = 4096  # keeps each simulation fast; larger configurations are skipped
     # weight passing with the node stagger: (False,) the runtime's; (False, True) adds the what-if
     weight_passing_stagger: tuple[bool, ...] = (False,)
+    # tensor-parallel group sizes to consider (each must divide a node's devices); weight passing only at 1
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
 
 
 @dataclass
@@ -69,6 +71,16 @@ def configurations(
     profile: ModelProfile, cluster: Cluster, global_batch: int, space: SearchSpace
 ) -> Iterator[tuple[PlanConfig, str | None]]:
     """Every configuration of ``space``, with the reason it cannot run (or None)."""
+    for t in space.tensor_parallel_sizes:
+        if cluster.devices_per_node % t or cluster.num_devices % t:
+            continue
+        yield from _configurations(profile, tensor_groups_as_devices(cluster, t), global_batch, space, t)
+
+
+def _configurations(
+    profile: ModelProfile, cluster: Cluster, global_batch: int, space: SearchSpace, t: int
+) -> Iterator[tuple[PlanConfig, str | None]]:
+    """The configurations for tensor groups of ``t`` ranks, each one device of ``cluster``."""
     devices = cluster.num_devices
     mesh_orders = space.mesh_orders if cluster.num_nodes > 1 else ("data_pipeline",)
     for p in space.pipeline_sizes or _divisors(devices):
@@ -82,7 +94,7 @@ def configurations(
         for m in ms:
             if per_replica % m:
                 continue
-            if p == 1 and WEIGHT_PASSING in space.schedules:
+            if p == 1 and t == 1 and WEIGHT_PASSING in space.schedules:
                 for stagger in space.weight_passing_stagger:
                     config = PlanConfig(WEIGHT_PASSING, 1, dp, dp, m, per_replica // m, stagger=stagger)
                     yield config, _weight_passing_reason(config, profile, cluster)
@@ -99,7 +111,10 @@ def configurations(
                                 continue  # without data parallelism the three coincide
                             # without a pipeline or without data parallelism both orders give the same ranks
                             for order in mesh_orders if p > 1 and dp > 1 else mesh_orders[:1]:
-                                config = PlanConfig(schedule, p, dp, v, m, per_replica // m, sharding, group, order)
+                                size = per_replica // m
+                                config = PlanConfig(
+                                    schedule, p, dp, v, m, size, sharding, group, order, tensor_parallel_size=t
+                                )
                                 reason = _reason(config, profile, space)
                                 if sharding == HYBRID_SHARD:
                                     hybrid = _hybrid_reason(cluster, p, dp, order)

@@ -20,6 +20,12 @@ then :func:`~lightning_bfpp.plan.schedule.lower`), rank by rank, with this model
   gather running beside it (the runtime issues it before the step's preparation);
 - the step ends when every rank's work and the optimizer update are done.
 
+``tensor_parallel_size=t`` makes each group of ``t`` consecutive devices one device of the layout: a split
+layer (``LayerCost.tensor_parallel_all_reduces``) costs each of its ranks ``1/t`` of its compute and weights
+plus the all-reduces of its output inside the node, in the forward and in the backward
+(:meth:`~lightning_bfpp.plan.costs.LayerCost.split_over_tensor_group`); a layer that is not split costs each
+rank as much as before.
+
 ``sharding="hybrid_shard"`` runs ``full_shard``'s action lists with the collectives of
 :mod:`~lightning_bfpp.plan.cluster`'s hybrid model (gathers and reduce-scatters inside a node, an all-reduce
 of each shard across nodes) and holds ``1/n_s`` of a stage's state instead of ``1/dp``.
@@ -37,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from lightning_bfpp.plan.cluster import Cluster, Links, links
+from lightning_bfpp.plan.cluster import Cluster, Links, links, tensor_all_reduce_s, tensor_groups_as_devices
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
 from lightning_bfpp.plan.partition import balance_by_weight
 from lightning_bfpp.plan.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, I, W, generate, lower
@@ -60,6 +66,8 @@ class PlanConfig:
     # weight passing only: nodes start a chunk apart, so rails carry traffic both ways (not implemented by
     # the runtime; a what-if)
     stagger: bool = False
+    # ranks sharing each pipeline rank's layers by tensor parallelism (consecutive: inside a node)
+    tensor_parallel_size: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -80,8 +88,9 @@ class PlanConfig:
                 f" m={self.num_microbatches}×{self.microbatch_size}"
             )
         group = f" N={self.microbatch_group_size}" if self.microbatch_group_size else ""
+        tensor = f" t={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         return (
-            f"{self.schedule}{group} p={self.pipeline_parallel_size} dp={self.data_parallel_size}"
+            f"{self.schedule}{group} p={self.pipeline_parallel_size} dp={self.data_parallel_size}{tensor}"
             f" v={self.stages_per_rank} m={self.num_microbatches}×{self.microbatch_size} {self.sharding}"
             f" {self.mesh_order}"
         )
@@ -143,6 +152,10 @@ def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Pre
         config.num_microbatches,
     )
     layers = profile.at_microbatch_size(config.microbatch_size)
+    t = config.tensor_parallel_size
+    if t > 1:  # each tensor group acts as one device of the layout; each of its ranks pays its share
+        layers = [layer.split_over_tensor_group(t, lambda n: tensor_all_reduce_s(cluster, t, n)) for layer in layers]
+        cluster = tensor_groups_as_devices(cluster, t)
     counts = config.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
     compute = generate(config.schedule, p, v, m, config.microbatch_group_size)

@@ -1,0 +1,59 @@
+"""The planner's model of tensor parallelism inside stages (pure, no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_bfpp.plan import Cluster, PlanConfig, SearchSpace, gpt, search, simulate
+from lightning_bfpp.plan.cluster import tensor_all_reduce_s, tensor_groups_as_devices
+
+CLUSTER = Cluster(num_devices=16, devices_per_node=8, memory_bytes=80 * 2**30, intra_node_bandwidth=200e9,
+                  inter_node_bandwidth=25e9, latency_s=10e-6)  # fmt: skip
+MODEL = gpt(num_layers=16, hidden=4096, sequence=2048, vocab=51200, flops_per_second=150e12)
+
+
+def test_a_split_block_costs_each_rank_its_share_plus_two_all_reduces_each_way():
+    block = MODEL.layers[1]
+    assert block.tensor_parallel_all_reduces == 2 and MODEL.layers[0].tensor_parallel_all_reduces == 0
+    all_reduce = tensor_all_reduce_s(CLUSTER, 4, block.output_bytes)
+    # a ring all-reduce inside the node: 2(t − 1)/t of the bytes over the node's links, 2(t − 1) steps
+    assert all_reduce == pytest.approx(6 * 10e-6 + 1.5 * block.output_bytes / 200e9)
+    split = block.split_over_tensor_group(4, lambda n: tensor_all_reduce_s(CLUSTER, 4, n))
+    assert split.forward_s == pytest.approx(block.forward_s / 4 + 2 * all_reduce)
+    assert split.backward_s == pytest.approx(block.backward_s / 4 + 2 * all_reduce)
+    assert split.param_bytes == block.param_bytes // 4
+    assert split.output_bytes == block.output_bytes  # whole on every tensor rank (no sequence parallelism)
+    # activations: all but the norms' and residuals' inputs (10·s·h bytes) are sharded
+    assert split.saved_bytes == block.saved_bytes - (block.saved_bytes - 10 * 2048 * 4096) * 3 // 4
+    assert MODEL.layers[0].split_over_tensor_group(4, lambda n: 1.0) == MODEL.layers[0]  # not split: whole
+
+
+def test_tensor_groups_are_the_layouts_devices():
+    assert tensor_groups_as_devices(CLUSTER, 4) == replace(CLUSTER, num_devices=4, devices_per_node=2)
+    with pytest.raises(ValueError, match="must divide the devices of a node"):
+        tensor_groups_as_devices(CLUSTER, 3)
+
+
+def test_tensor_parallelism_trades_compute_and_memory_for_all_reduces():
+    base = PlanConfig("breadth_first", 2, 8, 2, 4, 1)
+    tp = PlanConfig("breadth_first", 2, 2, 2, 4, 1, tensor_parallel_size=4)
+    alone, split = simulate(base, MODEL, CLUSTER), simulate(tp, MODEL, CLUSTER)
+    assert "t=4" in tp.describe()
+    # a quarter of the weights per rank (the embedding and head are not split), less activation memory
+    assert split.peak_memory < 0.5 * alone.peak_memory
+    # per replica the same batch now runs on 4 times the devices: the step is shorter, but not 4 times
+    assert alone.step_time / 4 < split.step_time < alone.step_time
+    # with the node's links 100 times slower, the all-reduces dominate and the split loses
+    slow = replace(CLUSTER, intra_node_bandwidth=2e9)
+    assert simulate(tp, MODEL, slow).step_time > simulate(tp, MODEL, CLUSTER).step_time * 1.5
+
+
+def test_the_search_considers_tensor_sizes_that_divide_a_node():
+    space = SearchSpace(schedules=("breadth_first",), shardings=("full_shard",), tensor_parallel_sizes=(1, 2, 3, 4))
+    candidates = search(MODEL, CLUSTER, 16, space)
+    sizes = {c.config.tensor_parallel_size for c in candidates}
+    assert sizes == {1, 2, 4}  # 3 divides no node of 8
+    assert all(c.config.pipeline_parallel_size * c.config.data_parallel_size * c.config.tensor_parallel_size == 16
+               for c in candidates)  # fmt: skip
