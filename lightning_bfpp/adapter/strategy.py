@@ -393,7 +393,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self.pipeline = agree(build.pending.finish, "sharding the pipeline's stages")
         self._log_sync = LoggedValueSync(device)
         # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
-        self.tied.create_groups(self.device_mesh, DATA_PARALLEL, PIPELINE_PARALLEL)
+        self.tied.create_groups(self.device_mesh, PIPELINE_PARALLEL)
         self.pipeline.executor.connect()
         self.tied.broadcast_from_owner()
 

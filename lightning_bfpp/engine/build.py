@@ -41,7 +41,13 @@ from lightning_bfpp.engine.layers import (
 )
 from lightning_bfpp.engine.pipeline import Pipeline, StepCode
 from lightning_bfpp.engine.reductions import GradientReductions
-from lightning_bfpp.engine.sharding import DATA_PARALLEL, schedule_sharding, shard_stage, tensor_parallel_mesh
+from lightning_bfpp.engine.sharding import (
+    DATA_PARALLEL,
+    PIPELINE_PARALLEL,
+    schedule_sharding,
+    shard_stage,
+    tensor_parallel_mesh,
+)
 from lightning_bfpp.engine.tied import TiedParameters, check_shared_modules, find_ties, record_identities, retie
 from lightning_bfpp.engine.weight_passing import ChunkTransfers, ChunkWeights, chunk_buffers, follow_mode
 from lightning_bfpp.plan.config import Layout, MeshShape, PipelineConfig
@@ -85,7 +91,7 @@ class Placement:
 
     @property
     def pipeline_rank(self) -> int:
-        return self.device_mesh["pipeline_parallel"].get_local_rank()
+        return self.device_mesh[PIPELINE_PARALLEL].get_local_rank()
 
     def prepare(self, layer: nn.Module) -> nn.Module:
         layer = compiled(layer, self.compile_options)

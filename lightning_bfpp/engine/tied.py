@@ -266,7 +266,7 @@ class TiedParameters:
         """Ids of the copies on stages other than the owner's: counted once in the gradient norm, by the owner."""
         return frozenset(id(p) for g in self.groups for stage, p in g.local.items() if stage != g.owner_stage)
 
-    def create_groups(self, mesh: DeviceMesh, data_parallel_dim: str, pipeline_dim: str) -> None:
+    def create_groups(self, mesh: DeviceMesh, pipeline_dim: str) -> None:
         """Create one process group per tie and data-parallel replica over the pipeline ranks holding copies.
 
         A collective over the world: every rank knows every tie and creates every group in the same order,

@@ -702,6 +702,15 @@ def _lora_hparams(config: Any) -> dict[str, Any]:
     return plain
 
 
+def _check_lora_config(config: Any) -> None:
+    """Refuse what a LoRA config asks that the pipeline does not run, whether it comes as ``lora=`` or a model."""
+    if config.modules_to_save:
+        raise ValueError(
+            "LoRA with `modules_to_save` is not supported: unfreeze those modules with `requires_grad_(True)`"
+            " instead (they then train and are saved with the model)."
+        )
+
+
 def _unwrap_peft(source: Any) -> tuple[PreTrainedModel, Any, str]:
     """The ``transformers`` model inside a ``PeftModel`` (its LoRA layers in place), its LoRA config and adapter."""
     peft = _peft()
@@ -714,22 +723,14 @@ def _unwrap_peft(source: Any) -> tuple[PreTrainedModel, Any, str]:
             f"Of the `peft` methods, LoRA is supported (its layers are modules of the model, which the pipeline cuts);"
             f" got `{type(config).__name__}`. Prompt and prefix tuning change the inputs of every layer."
         )
-    if config.modules_to_save:
-        raise ValueError(
-            "LoRA with `modules_to_save` is not supported: unfreeze those modules with `requires_grad_(True)`"
-            " instead (they then train and are saved with the model)."
-        )
+    _check_lora_config(config)
     return source.base_model.model, config, adapter
 
 
 def _apply_lora(model: PreTrainedModel, config: Any, adapter: str) -> None:
     """Add ``config``'s LoRA layers to ``model`` in place (its other weights frozen), as ``get_peft_model`` does."""
     peft = _peft()
-    if config.modules_to_save:
-        raise ValueError(
-            "LoRA with `modules_to_save` is not supported: unfreeze those modules with `requires_grad_(True)`"
-            " instead (they then train and are saved with the model)."
-        )
+    _check_lora_config(config)
     peft.get_peft_model(model, copy.deepcopy(config), adapter_name=adapter)
 
 
