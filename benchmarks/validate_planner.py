@@ -11,6 +11,11 @@
    times, including how long a 10 ms sleep really takes.
 3. For each configuration, train a few steps with ``BFPPStrategy``, take the median step time after the
    first step (which also infers shapes), and compare with ``lightning_bfpp.plan.simulate``.
+
+Besides the schedules and shardings, the configurations include ``breadth_first_zb`` on layers whose backward
+is split into input and weight gradients (the profile measures the two parts), and tensor parallelism
+(``t=2``: each layer's compute and weight halved, its output and input gradient all-reduced over the tensor
+group with real collectives), with small and with 256 KiB activations.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_bfpp.measure.calibrate import calibrate, run_emulated
+from lightning_bfpp.measure.calibrate import calibrate, one_thread, run_emulated, run_emulated_many
 from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan.costs import ModelProfile
@@ -30,6 +35,12 @@ from lightning_bfpp.plan.simulate import PlanConfig, simulate
 MODEL = EmulatedModel(layers=16, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=4096)
 # 2 MiB of fp32 weights per layer: gathers and reductions that take time against the compute
 LARGE = replace(MODEL, param_numel=1 << 19)
+# the backward split into 10 ms of input gradient and 10 ms of weight gradient (zero-bubble schedules)
+SPLIT = replace(MODEL, backward_ms=10.0, weight_grad_ms=10.0)
+# 256 KiB activations per sample: tensor parallelism's all-reduces of them take time against the compute
+WIDE = replace(MODEL, activation_numel=1 << 16)
+LARGE_SPLIT = replace(LARGE, backward_ms=10.0, weight_grad_ms=10.0)
+LARGE_WIDE = replace(LARGE, activation_numel=1 << 16)
 CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
     4: [
         (PlanConfig("breadth_first", 4, 1, 2, 4, 1), MODEL),
@@ -40,6 +51,12 @@ CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
         (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard"), MODEL),
         (PlanConfig("depth_first", 2, 2, 2, 8, 1, "full_shard"), MODEL),
         (PlanConfig("breadth_first", 2, 2, 4, 4, 1, "no_shard"), MODEL),
+        (PlanConfig("breadth_first", 4, 1, 2, 4, 1), SPLIT),
+        (PlanConfig("breadth_first_zb", 4, 1, 2, 4, 1), SPLIT),
+        (PlanConfig("breadth_first_zb", 2, 2, 2, 4, 1, "full_shard"), SPLIT),
+        (PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), MODEL),
+        (PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), WIDE),
+        (PlanConfig("breadth_first", 4, 1, 2, 4, 1), WIDE),
     ],
     8: [
         (PlanConfig("breadth_first", 8, 1, 2, 8, 1), MODEL),
@@ -52,6 +69,9 @@ CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
         (PlanConfig("gpipe", 4, 2, 1, 4, 1, "full_shard"), LARGE),
         (PlanConfig("breadth_first", 2, 4, 4, 4, 1, "full_shard"), LARGE),
         (PlanConfig("breadth_first", 4, 2, 2, 4, 1, "shard_grad_op"), LARGE),
+        (PlanConfig("breadth_first_zb", 4, 2, 2, 4, 1, "full_shard"), LARGE_SPLIT),
+        (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE),
+        (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE_WIDE),
     ],
 }
 
@@ -71,8 +91,12 @@ TOPOLOGY_MODELS = {
 
 
 def _profile(model: EmulatedModel) -> ModelProfile:
-    profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=15)
-    return replace(profile, optimizer_state_ratio=0.0)
+    """Measured layer by layer on one process; each layer splits over a tensor group with one all-reduce of its
+    output per pass (``EmulatedLayer.parallelize``), which a profile on one process cannot see."""
+    with one_thread():  # as the training processes run
+        profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=15)
+    layers = tuple(replace(layer, tensor_parallel_all_reduces=1) for layer in profile.layers)
+    return replace(profile, layers=layers, optimizer_state_ratio=0.0)
 
 
 def main() -> None:
@@ -97,11 +121,12 @@ def main() -> None:
     print("| configuration | layer weights | predicted step (ms) | measured step (ms) | error | predicted bubble |")
     print("|---|---|---|---|---|---|")
     configs = CONFIGS[args.devices]
+    # one job trains every configuration in turn (one start-up)
+    steps = run_emulated_many(configs, args.steps, args.devices)
     within = 0
-    for config, model in configs:
+    for (config, model), step in zip(configs, steps, strict=True):
         profile = profiles.setdefault(model, _profile(model))
         prediction = simulate(config, profile, cluster)
-        step = run_emulated(config, model, args.steps, args.devices)
         error = prediction.step_time / step - 1
         within += abs(error) <= 0.10
         print(f"| {config.describe()} | {model.param_bytes / 2**20:.2f} MiB | {1e3 * prediction.step_time:.1f} |"

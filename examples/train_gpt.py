@@ -6,6 +6,7 @@ separator, then must write the digits sorted. The LightningModule is ordinary si
 
     python examples/train_gpt.py                      # 4 CPU processes: p=2 pipeline × dp=2 replicas, v=2
     python examples/train_gpt.py --devices 2 --pipeline-parallel-size 2 --sharding no_shard
+    python examples/train_gpt.py --tensor-parallel-size 2   # p=2 pipeline × t=2 tensor parallelism, dp=1
     python examples/train_gpt.py --strategy auto --devices 1
 """
 
@@ -18,6 +19,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_bfpp  # noqa: F401  (registers strategy="bfpp")
@@ -60,20 +63,33 @@ class Embeddings(nn.Module):
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
         self.norm1 = nn.LayerNorm(dim)
+        # fused, head by head (each head's query, key and value rows together, as Megatron lays it out), so that
+        # splitting its rows over a tensor group hands each rank whole heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        qkv = self.qkv(self.norm1(x))  # under tensor parallelism: this rank's heads only
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(attn.transpose(1, 2).flatten(2))
         return x + self.mlp(self.norm2(x))
+
+    def parallelize(self, tp_mesh: DeviceMesh) -> None:
+        """Megatron's split over the tensor group: attention by heads and the MLP by hidden units (the fused
+        ``qkv`` and the MLP's first layer column-wise, ``proj`` and its second layer row-wise), so that the block's
+        output is whole again on every tensor rank after one all-reduce each."""
+        size = tp_mesh.size()
+        if self.heads % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide the attention heads ({self.heads})")
+        plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel()}
+        plan |= {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        parallelize_module(self, tp_mesh, plan)
 
 
 class Head(nn.Module):
@@ -96,6 +112,13 @@ class GPT(L.LightningModule):
 
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def parallelize_layer(self, layer: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        """``BFPPStrategy(tensor_parallel_size=t)`` calls this for each layer a rank holds: blocks are split; the
+        embedding and the head (an 11-token vocabulary) stay whole on every tensor rank."""
+        if isinstance(layer, Block):
+            layer.parallelize(tp_mesh)
+        return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = idx
@@ -159,6 +182,7 @@ def main() -> None:
     parser.add_argument("--stages-per-rank", type=int, default=2)
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--sharding", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split each block over this many ranks")
     parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel replica")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--layers", type=int, default=8)
@@ -174,6 +198,7 @@ def main() -> None:
             stages_per_rank=args.stages_per_rank,
             num_microbatches=args.num_microbatches,
             sharding=args.sharding,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     else:
         strategy = "auto"

@@ -13,17 +13,15 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 from transformers import AutoConfig, BertConfig, GPT2Config, RobertaConfig
 
 from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES, HFCausalLM, HFSequenceRegressor
-from tests.models import Reference, RunSpec, StepRecorder, load_initial_params, trainer_defaults
+from tests.models import Reference, RunSpec, fit_on_one_device, load_initial_params
 
 VOCAB = 100
 SEQ_LEN = 12
@@ -228,14 +226,7 @@ def hf_reference_run(run: RunSpec) -> Reference:
     model = hf_module(run)
     if run.initial_params is not None:  # the weights a run created on the meta device started from
         load_initial_params(model, run.initial_params)
-    data = token_data(run)
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)
-    recorder = StepRecorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **trainer_defaults(run))
-    trainer.fit(model, loader)
-    params = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
-    return Reference(recorder.steps, params, recorder.validations, {"out": Path(tempfile.gettempdir())})
+    return fit_on_one_device(model, token_data(run), run)
 
 
 def assert_trained_as_reference(result: Any, ref: Reference, run: RunSpec, *, tol: float, atol: float) -> None:

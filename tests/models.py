@@ -483,6 +483,18 @@ def reference_run(
     return Reference(recorder.steps, params, recorder.validations, extras)
 
 
+def fit_on_one_device(model: L.LightningModule, data: Dataset, run: RunSpec) -> Reference:
+    """``model`` trained on ``data`` on one process with ``strategy="auto"`` on ``run``'s global batches, in the
+    order the replicas' distributed sampler takes them (see :func:`reference_run`)."""
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=run.local_batch_size * run.data_parallel_size, sampler=sampler)
+    recorder = StepRecorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="auto", callbacks=[recorder], **trainer_defaults(run))
+    trainer.fit(model, loader)
+    params = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    return Reference(recorder.steps, params, recorder.validations, {"out": Path(tempfile.gettempdir())})
+
+
 def fit(trainer: L.Trainer, model: L.LightningModule, loader: Any, val: Any, run: RunSpec, ckpt: str | None) -> None:
     """``trainer.fit``, and with the ``fit_twice`` check a second ``fit`` for one more epoch on the same Trainer."""
     trainer.fit(model, loader, val, ckpt_path=ckpt)

@@ -13,16 +13,24 @@ the head stay replicated. Two ways in, as users write them:
   ``pipeline_layers()``: refused.
 
 On one device (the reference) there is no tensor mesh and both leave the module as it is.
+
+``gpt_module``: the GPT of ``examples/train_gpt.py`` (and of the benchmark suite), whose ``parallelize_layer``
+splits each block's attention by heads (a fused, head-by-head ``qkv``) and its MLP, trained with SGD on the
+example's sorting task; ``gpt_reference_run`` is the same on one process.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader
 
-from tests.models import Block, PipeNet, RunSpec
+from examples.train_gpt import GPT, SortDigits
+from tests.models import Block, PipeNet, Reference, RunSpec, fit_on_one_device
 
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
@@ -58,3 +66,28 @@ def make(run: RunSpec) -> TensorParallelNet:
     spec = dict(run.model)
     spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
     return TensorParallelNet(**spec)
+
+
+class SGDGPT(GPT):
+    """The example's GPT with plain SGD, whose updates show a gradient's scale (AdamW's normalisation hides it)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # type: ignore[override]
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def gpt_module(run: RunSpec) -> GPT:
+    torch.manual_seed(0)
+    return SGDGPT(layers=run.model.get("layers", 4), dim=32, heads=4, block_size=16, lr=0.5)
+
+
+def _sorting_data(run: RunSpec) -> SortDigits:
+    return SortDigits(run.model.get("samples", 96), seed=0)
+
+
+def gpt_loader(run: RunSpec, trainer: L.Trainer) -> DataLoader:
+    return DataLoader(_sorting_data(run), batch_size=run.local_batch_size)
+
+
+def gpt_reference_run(run: RunSpec) -> Reference:
+    """``run`` on one process on the global batches (the distributed sampler's order, as ``reference_run``)."""
+    return fit_on_one_device(gpt_module(run), _sorting_data(run), run)

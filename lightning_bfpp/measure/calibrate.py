@@ -6,7 +6,10 @@
 - **links**: ping-pong transfers between two processes, and all-gathers, reduce-scatters and all-reduces within
   a group of ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed +
   bytes / bandwidth`` (the reductions' bandwidths as ratios to the all-gathers'); the other processes stay
-  idle, as most ranks' links are during a real step. One machine only shows its intra-node links; the
+  idle, as most ranks' links are during a real step. Then a tensor group's all-reduce as a step runs it:
+  every group of ``--group-size`` consecutive processes at once, each call right after the process's own
+  work, so that it pays for the group's members not arriving together (on this 2-core machine, about
+  3 ms per small all-reduce in a step against 1.5 ms back to back); One machine only shows its intra-node links; the
   inter-node bandwidth is written equal to them unless given;
 - **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 5 and
   10 ms, :mod:`~lightning_bfpp.measure.emulated`) on all the processes in two layouts, the second with 4× more
@@ -37,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.measure.emulated import EmulatedModel
-from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.cluster import Cluster, tensor_all_reduce_s
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
@@ -55,6 +60,8 @@ from lightning_bfpp.plan.simulate import PlanConfig, simulate
 RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# a tensor-parallel all-reduce of one small activation: its fixed cost is what matters
+TENSOR_ALL_REDUCE_BYTES = 4 << 10
 
 
 def _free_port() -> int:
@@ -123,10 +130,37 @@ def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size
         gather.append((full.numel() * 4, _time(all_gather, repeats, cuda)))
         reduce.append((full.numel() * 4, _time(reduce_scatter, repeats, cuda)))
         all_reduced.append((full.numel() * 4, _time(all_reduce, repeats, cuda)))
+    tensor = _tensor_all_reduce(rank, world, group_size, repeats, device, cuda)
     if rank == 0:
         timings = {"p2p": p2p, "all_gather": gather, "reduce_scatter": reduce, "all_reduce": all_reduced}
+        timings["tensor_all_reduce"] = tensor
         Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
+
+
+def _tensor_all_reduce(
+    rank: int, world: int, size: int, repeats: int, device: torch.device, cuda: bool
+) -> list[tuple[int, float]]:
+    """A tensor group's all-reduce as a step runs it: every group of ``size`` consecutive ranks at once, each call
+    right after the rank's own 5 ms of work (here a sleep), so that it also pays for the ranks not arriving
+    together. Rank 0's median call time, at ``TENSOR_ALL_REDUCE_BYTES``."""
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world - world % size, size)]
+    if rank >= len(groups) * size:
+        return []
+    group = groups[rank // size]
+    buf = torch.zeros(TENSOR_ALL_REDUCE_BYTES // 4, device=device)
+    times = []
+    for attempt in range(repeats + 2):
+        time.sleep(5e-3)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if attempt >= 2:  # the first calls set the group up
+            times.append(time.perf_counter() - start)
+    return [(TENSOR_ALL_REDUCE_BYTES, statistics.median(times))]
 
 
 def calibrate(
@@ -174,6 +208,10 @@ def calibrate(
         reduce_bandwidth_ratio=reduce_bandwidth / bandwidth,
         all_reduce_bandwidth_ratio=all_reduce_bandwidth / bandwidth,
     )
+    if timings["tensor_all_reduce"]:  # the fixed part of a tensor group's all-reduce, as a step pays it
+        ((nbytes, seconds),) = timings["tensor_all_reduce"]
+        moved = tensor_all_reduce_s(replace(cluster, collective_overhead_s=0.0), n, nbytes)
+        cluster = replace(cluster, tensor_collective_overhead_s=max(seconds - moved, 0.0))
     if runtime:
         cluster, costs = measure_runtime(devices, cluster)
         timings["runtime"] = costs  # type: ignore[assignment]
@@ -193,39 +231,90 @@ def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
     )
 
 
+def tensor_runtime_config(devices: int) -> PlanConfig | None:
+    """The first of :func:`runtime_configs` with each pipeline rank's layers split over 2 processes; None for an
+    odd process count."""
+    if devices % 2:
+        return None
+    few = runtime_configs(devices)[0]
+    return replace(few, pipeline_parallel_size=devices // 2, tensor_parallel_size=2)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread in this process while profiling, as the training processes run (``run_emulated``):
+    with a thread per core, the host-side ops on a 256 KiB activation measured 5 ms slower on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_runtime(
-    devices: int, links: Cluster, steps: int = 12, rounds: int = 3
+    devices: int, links: Cluster, steps: int = 12, rounds: int = 3, tensor: bool = True
 ) -> tuple[Cluster, list[dict[str, Any]]]:
     """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
 
-    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own, ``rounds`` times,
-    the two configurations alternating; its median step time (after the first, which also infers shapes),
+    Each configuration of :func:`runtime_configs` trains ``steps`` steps ``rounds`` times, the two
+    configurations alternating in one job; its median step time (after the first, which also infers shapes),
     the median over its rounds, less the simulated one (this machine's links, the emulated layers' measured
     sleeps) is the runtime's cost, fitted as a cost per step and per action charged as the simulation
     charges them (:func:`cost_weights`, :func:`fit_runtime_costs`). One round of each moved the fitted
     cost per action by a fifth between calibrations at 8 processes on 2 cores (3.2 against 3.8 ms), enough
     to put predictions with many actions per rank 11–13% off; alternating rounds spread the machine's drift
     over both configurations, and the median drops a disturbed job.
+
+    With ``tensor`` (and an even process count) a third layout, the first with each pipeline rank's layers
+    split over 2 processes (:func:`tensor_runtime_config`), measures a tensor group's all-reduce as a step
+    pays it: what its step has beyond the simulated one with the runtime's costs just fitted, per all-reduce on
+    the critical path, is ``tensor_collective_overhead_s``. In a step the two members meet at every layer, so
+    each all-reduce also waits for the later of the two; on 2 shared cores that made it about 3 ms against
+    the 1.5 ms of back-to-back calls.
     """
     from lightning_bfpp.measure.emulated import EmulatedNet
     from lightning_bfpp.measure.profile import profile_module
 
     if rounds < 1:
         raise ValueError(f"measure_runtime needs at least one round, got {rounds}")
-    profile = profile_module(EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),), repeats=7)
+    with one_thread():
+        batch = (torch.randn(1, RUNTIME_MODEL.activation_numel),)
+        profile = profile_module(EmulatedNet(RUNTIME_MODEL), batch, repeats=7)
     profile = replace(profile, optimizer_state_ratio=0.0)
-    configs = runtime_configs(devices)
-    runs: list[list[float]] = [[] for _ in configs]
-    for _ in range(rounds):
-        for i, config in enumerate(configs):
-            runs[i].append(run_emulated(config, RUNTIME_MODEL, steps, devices))
+    split = tensor_runtime_config(devices) if tensor else None
+    configs = [*runtime_configs(devices), *([split] if split is not None else [])]
+    # every round of every layout in one job (one start-up), the layouts alternating
+    times = run_emulated_many([(config, RUNTIME_MODEL) for _ in range(rounds) for config in configs], steps, devices)
+    runs = [times[i :: len(configs)] for i in range(len(configs))]
     rows = [
         {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
          "rounds_s": measured, **cost_weights(config, profile, links)}
-        for config, measured in zip(configs, runs, strict=True)
+        for config, measured in zip(configs[:2], runs[:2], strict=True)
     ]  # fmt: skip
     per_action, per_step = fit_runtime_costs(rows)
-    return replace(links, action_overhead_s=per_action, step_overhead_s=per_step), rows
+    cluster = replace(links, action_overhead_s=per_action, step_overhead_s=per_step)
+    if split is not None:
+        layers = tuple(replace(layer, tensor_parallel_all_reduces=1) for layer in profile.layers)
+        row = _tensor_cost(split, replace(profile, layers=layers), cluster, statistics.median(runs[2]))
+        rows.append({**row, "rounds_s": runs[2]})
+        cluster = replace(cluster, tensor_collective_overhead_s=row["tensor_collective_overhead_s"])
+    return cluster, rows
+
+
+def _tensor_cost(
+    config: PlanConfig, profile: ModelProfile, cluster: Cluster, measured: float, probe_s: float = 1e-3
+) -> dict[str, float]:
+    """The fixed cost per tensor all-reduce that makes the simulated step of ``config`` the measured one."""
+    free = simulate(config, profile, replace(cluster, tensor_collective_overhead_s=0.0)).step_time
+    probed = simulate(config, profile, replace(cluster, tensor_collective_overhead_s=probe_s)).step_time
+    weight = (probed - free) / probe_s  # the all-reduces on the critical path
+    return {
+        "tensor_all_reduces": weight,
+        "measured_s": measured,
+        "simulated_s": free,
+        "tensor_collective_overhead_s": max((measured - free) / weight, 0.0),
+    }
 
 
 def cost_weights(config: PlanConfig, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:
@@ -278,16 +367,27 @@ def run_emulated(
     """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s).
 
     ``processes_per_node`` lays the processes out as nodes of that many (hybrid sharding, weight passing)."""
+    return run_emulated_many([(config, model)], steps, devices, processes_per_node)[0]
+
+
+def run_emulated_many(
+    runs: Sequence[tuple[PlanConfig, EmulatedModel]],
+    steps: int,
+    devices: int,
+    processes_per_node: int | None = None,
+) -> list[float]:
+    """Train each ``(config, model)`` of ``runs`` with ``BFPPStrategy``, one after the other in the same
+    ``devices`` processes (one start-up for all: a start costs more than a few steps on a few cores); the median
+    step time (s) of each."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     # one intra-op thread per process, as torchrun sets: with the default (every core per process) a host-side
     # op on an activation (the emulated layer's add, a loss) spins all processes' threads against each other
     # and costs milliseconds per MiB, which an accelerator's host never pays
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "step.json"
+        out = Path(tmp) / "steps.json"
         job = {
-            "config": asdict(config),
-            "model": asdict(model),
+            "runs": [{"config": asdict(config), "model": asdict(model)} for config, model in runs],
             "steps": steps,
             "devices": devices,
             "processes_per_node": processes_per_node,
@@ -295,20 +395,26 @@ def run_emulated(
         cmd = [sys.executable, "-m", "lightning_bfpp.measure.calibrate", json.dumps(job), str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"the emulated run {config.describe()} failed:\n{proc.stderr[-3000:]}")
-        return float(json.loads(out.read_text())["step_time"])
+            described = "; ".join(config.describe() for config, _ in runs)
+            raise RuntimeError(f"the emulated runs ({described}) failed:\n{proc.stderr[-3000:]}")
+        return [float(run["step_time"]) for run in json.loads(out.read_text())]
 
 
-def _train_emulated(job: dict[str, object], out: Path) -> None:
-    """One emulated training job (``run_emulated``'s child process): Lightning starts the other processes."""
+def _train_emulated(job: dict[str, Any], out: Path) -> None:
+    """One emulated training job (``run_emulated_many``'s child process): Lightning starts the other processes,
+    which run the same runs in the same order."""
+    results = [_train_one(PlanConfig(**run["config"]), EmulatedModel(**run["model"]), job) for run in job["runs"]]
+    if results[0] is not None:  # global rank 0 measured
+        out.write_text(json.dumps(results))
+
+
+def _train_one(config: PlanConfig, model: EmulatedModel, job: dict[str, Any]) -> dict[str, Any] | None:
     import lightning as L
 
     from lightning_bfpp import BFPPStrategy
     from lightning_bfpp.measure.emulated import EmulatedNet, emulated_loader
 
-    config = PlanConfig(**job["config"])  # type: ignore[arg-type]
-    model = EmulatedModel(**job["model"])  # type: ignore[arg-type]
-    steps = int(job["steps"])  # type: ignore[call-overload]
+    steps = int(job["steps"])
     starts: list[float] = []
 
     class StepTimes(L.Callback):
@@ -326,7 +432,8 @@ def _train_emulated(job: dict[str, object], out: Path) -> None:
         schedule=config.schedule,
         sharding=config.sharding,
         microbatch_group_size=config.microbatch_group_size,
-        processes_per_node=job.get("processes_per_node"),  # type: ignore[arg-type]
+        processes_per_node=job.get("processes_per_node"),
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     trainer = L.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=job["devices"], strategy=strategy,
@@ -335,9 +442,10 @@ def _train_emulated(job: dict[str, object], out: Path) -> None:
     )  # fmt: skip
     # every replica gets `steps` full batches (the sampler splits the data set over the replicas)
     trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps * config.data_parallel_size))
-    if trainer.global_rank == 0:
-        durations = [b - a for a, b in itertools.pairwise(starts)][1:]
-        out.write_text(json.dumps({"step_time": statistics.median(durations), "steps": durations}))
+    if trainer.global_rank != 0:
+        return None
+    durations = [b - a for a, b in itertools.pairwise(starts)][1:]
+    return {"step_time": statistics.median(durations), "steps": durations}
 
 
 if __name__ == "__main__":

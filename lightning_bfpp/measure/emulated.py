@@ -11,6 +11,12 @@ With ``weight_grad_ms`` set, a layer's backward is split as zero-bubble schedule
 the autograd pass that asks for it, so ``torch.distributed.pipelining``'s ``BACKWARD_INPUT`` and
 ``BACKWARD_WEIGHT`` take those times; a full backward takes both, as one node sleeping their sum would.
 
+Under tensor parallelism (``EmulatedNet.parallelize_layer``, run by ``BFPPStrategy(tensor_parallel_size=t)``)
+a layer is split as Megatron splits a block: each rank of the tensor group keeps ``1/t`` of the weight (a
+DTensor sharded over the group, which FSDP2 then shards over the data-parallel group), sleeps ``1/t`` of
+each time, and all-reduces the layer's output in the forward and its input gradient in the backward with
+real collectives on the group (one all-reduce each way: the planner's ``tensor_parallel_all_reduces=1``).
+
 Part of the package because ``plan calibrate`` trains such a model to measure the runtime's own cost per
 schedule action and per step on the machine it plans for; the benchmarks and tests use it too.
 """
@@ -24,7 +30,10 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -107,6 +116,36 @@ def split_sleep(
     return head + _SleepWeight.apply(weight, x.detach(), weight_grad_s, sleep)
 
 
+class _EnterTensorGroup(torch.autograd.Function):
+    """Megatron's ``f``: the input as is; its gradient summed over the tensor group (each rank holds a part)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _LeaveTensorGroup(torch.autograd.Function):
+    """Megatron's ``g``: the ranks' partial outputs all-reduced (averaged here, so that values stay put across
+    layers: an emulated layer computes nothing); the gradient as is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out.div_(dist.get_world_size(group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class EmulatedLayer(nn.Module):
     """``forward_ms`` and ``backward_ms`` of sleep per call; with ``weight_grad_ms``, ``backward_ms`` is the
     input-gradient time and ``weight_grad_ms`` the weight-gradient time, in separate autograd nodes
@@ -119,11 +158,30 @@ class EmulatedLayer(nn.Module):
         self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
         self.weight_grad_s = None if weight_grad_ms is None else weight_grad_ms / 1e3
         self.weight = nn.Parameter(torch.zeros(param_numel))
+        self.tensor_group: dist.ProcessGroup | None = None
+
+    def parallelize(self, tp_mesh: DeviceMesh) -> None:
+        """Split over ``tp_mesh``: ``1/t`` of the weight (sharded as a DTensor) and of each time per rank, and an
+        all-reduce of the output in the forward and of the input gradient in the backward."""
+        size = tp_mesh.size()
+        if self.weight.numel() % size:
+            raise ValueError(f"an emulated layer of {self.weight.numel()} values does not split over {size} ranks")
+        self.weight = nn.Parameter(distribute_tensor(self.weight.detach(), tp_mesh, [Shard(0)]))
+        self.forward_s, self.backward_s = self.forward_s / size, self.backward_s / size
+        if self.weight_grad_s is not None:
+            self.weight_grad_s /= size
+        self.tensor_group = tp_mesh.get_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.tensor_group is not None:
+            x = _EnterTensorGroup.apply(x, self.tensor_group)
+            weight = weight.to_local() if isinstance(weight, DTensor) else weight
         if self.weight_grad_s is None:
-            return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
-        return split_sleep(x, self.weight, self.forward_s, self.backward_s, self.weight_grad_s)
+            y = _Sleep.apply(x, weight, self.forward_s, self.backward_s)
+        else:
+            y = split_sleep(x, weight, self.forward_s, self.backward_s, self.weight_grad_s)
+        return y if self.tensor_group is None else _LeaveTensorGroup.apply(y, self.tensor_group)
 
 
 @dataclass(frozen=True)
@@ -160,6 +218,12 @@ class EmulatedNet(L.LightningModule):
 
     def pipeline_layers(self) -> list[nn.Module]:
         return list(self.layers)
+
+    def parallelize_layer(self, layer: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+        """``BFPPStrategy(tensor_parallel_size=t)`` calls this for each layer a rank holds."""
+        assert isinstance(layer, EmulatedLayer)
+        layer.parallelize(tp_mesh)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -3,7 +3,11 @@
 Each layer of ``pipeline_layers()`` runs forward and backward on the output of the previous one, starting
 from what ``training_step`` passes to ``self(...)`` for one real batch (the same capture the strategy uses),
 and records its median forward and backward time, its parameter bytes, the bytes it hands on, and the bytes
-autograd keeps for its backward (counted once per storage, parameters excluded). The whole model runs on
+autograd keeps for its backward (counted once per storage, parameters excluded). The backward is timed twice:
+its input-gradient pass alone (``torch.autograd.grad`` with respect to the layer's inputs, as torch's
+``stage_backward_input`` runs it) and then whole; the difference is the weight-gradient part that zero-bubble
+schedules run as their own ``W`` action (``LayerCost.backward_weight_s``). A layer whose inputs need no
+gradient (the first, on token ids) has only a weight pass. The whole model runs on
 one device, layer by layer, so it must fit there; for models that do not, describe the layers instead
 (``lightning_bfpp.plan.costs``).
 """
@@ -50,12 +54,13 @@ def profile_module(
     first = True
     for _, layer in layers:
         param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        forward_times, backward_times = [], []
+        forward_times, backward_times, input_grad_times = [], [], []
         saved_bytes = 0
         output: Any = None
         for attempt in range(repeats + 1):
             leaves = [
-                t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                # the batch needs no gradient, as in the pipeline; later layers' inputs are activations
+                t.detach().requires_grad_(t.is_floating_point() and not first) if isinstance(t, torch.Tensor) else t
                 for t in (inputs if isinstance(inputs, tuple) else (inputs,))
             ]
             storages: dict[int, int] = {}
@@ -77,22 +82,31 @@ def profile_module(
             _sync(device)
             middle = time.perf_counter()
             outs = [t for t in _tensors(output) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outs]
+            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wanted:  # the input-gradient pass alone; the graph stays for the whole backward
+                torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
+            _sync(device)
+            input_done = time.perf_counter()
             if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                torch.autograd.backward(outs, grads)
             _sync(device)
             end = time.perf_counter()
             if attempt:  # the first run warms up
                 forward_times.append(middle - start)
-                backward_times.append(end - middle)
+                input_grad_times.append(input_done - middle)
+                backward_times.append(end - input_done)
                 saved_bytes = sum(storages.values())
         layer.zero_grad(set_to_none=True)
+        backward_s = statistics.median(backward_times)
         costs.append(
             LayerCost(
                 forward_s=statistics.median(forward_times),
-                backward_s=statistics.median(backward_times),
+                backward_s=backward_s,
                 param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                 output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
                 saved_bytes=saved_bytes,
+                backward_weight_s=max(backward_s - statistics.median(input_grad_times), 0.0),
             )
         )
         outputs = _tensors(output)

@@ -99,6 +99,13 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-sizes", type=_ints)
     parser.add_argument("--stages-per-rank", type=_ints, default=(1, 2, 4, 8))
     parser.add_argument("--microbatches", type=_ints, help="candidate micro-batch counts per replica")
+    parser.add_argument(
+        "--tensor-parallel-sizes",
+        type=_ints,
+        default=(1,),
+        help="tensor group sizes to consider, e.g. 1,2,4 (each dividing a node's devices); a layer splits if its"
+        " profile counts tensor-parallel all-reduces (--gpt's blocks do)",
+    )
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--timeline", type=Path, help="draw the best configuration's predicted timeline (PNG)")
     parser.add_argument("--json", type=Path, help="write every candidate (JSON)")
@@ -188,6 +195,7 @@ def run_search(args: argparse.Namespace) -> None:
         stages_per_rank=args.stages_per_rank,
         num_microbatches=args.microbatches,
         weight_passing_stagger=(False, True) if args.stagger else (False,),
+        tensor_parallel_sizes=args.tensor_parallel_sizes,
     )
     candidates = search(profile, cluster, args.global_batch, space)
     feasible = [c for c in candidates if c.infeasible is None]

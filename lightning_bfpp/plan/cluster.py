@@ -69,6 +69,9 @@ class Cluster:
     # all three
     reduce_bandwidth_ratio: float = 1.0
     all_reduce_bandwidth_ratio: float = 1.0
+    # fixed cost of a tensor group's all-reduce, which comes right after each member's own compute and so also
+    # pays for members arriving apart (``plan calibrate`` measures it so); None: ``collective_overhead_s``
+    tensor_collective_overhead_s: float | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -97,12 +100,14 @@ def global_rank(pipeline_rank: int, data_rank: int, p: int, dp: int, mesh_order:
 
 
 def tensor_all_reduce_s(cluster: Cluster, size: int, nbytes: int) -> float:
-    """A ring all-reduce of ``nbytes`` over a tensor group of ``size`` consecutive ranks (inside a node)."""
+    """A ring all-reduce of ``nbytes`` over a tensor group of ``size`` consecutive ranks (inside a node), at the
+    all-reduce's own measured bandwidth (``all_reduce_bandwidth_ratio``)."""
     if size <= 1:
         return 0.0
     steps = 2 * (size - 1)
-    moved = steps / size * nbytes / cluster.intra_node_bandwidth
-    return cluster.collective_overhead_s + steps * cluster.latency_s + moved
+    moved = steps / size * nbytes / (cluster.intra_node_bandwidth * cluster.all_reduce_bandwidth_ratio)
+    fixed = cluster.tensor_collective_overhead_s
+    return (cluster.collective_overhead_s if fixed is None else fixed) + steps * cluster.latency_s + moved
 
 
 def tensor_groups_as_devices(cluster: Cluster, size: int) -> Cluster:

@@ -222,9 +222,10 @@ class PipelineConfig:
             )
         if self.pipeline_parallel_size == "auto":
             raise ValueError(
-                f"BFPPStrategy: pipeline_parallel_size='auto' with tensor_parallel_size={t}: the planner does not"
-                " model tensor parallelism yet. Give pipeline_parallel_size (and the planner's best layout"
-                " for the rest: `python -m lightning_bfpp.plan`)."
+                f"BFPPStrategy: pipeline_parallel_size='auto' with tensor_parallel_size={t}: 'auto' measures the"
+                " layers whole on one process, before they are split, so it cannot see what the split costs."
+                " Give pipeline_parallel_size, and ask the planner for the layout:"
+                " `python -m lightning_bfpp.plan ... --tensor-parallel-sizes 1,2,4`."
             )
         if self.sharding == "hybrid_shard":
             raise ValueError(

@@ -208,11 +208,14 @@ def search_per_replica_batch(
 
 
 def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int = 5) -> str:
+    """A markdown table of the ``top`` feasible candidates and the first ``infeasible`` others; a column ``t``
+    (tensor group size) appears when any candidate splits its layers over a tensor group."""
+    tensor = any(c.config.tensor_parallel_size > 1 for c in candidates)
     header = (
-        "| # | schedule | p | dp | v | m × mbs | N | sharding | mesh | step (s) | samples/s | bubble |"
-        " peak memory (GiB) | comm/device (GiB) | |"
+        f"| # | schedule | p | dp |{' t |' if tensor else ''} v | m × mbs | N | sharding | mesh | step (s) |"
+        " samples/s | bubble | peak memory (GiB) | comm/device (GiB) | |"
     )
-    lines = [header, "|" + "---|" * 15]
+    lines = [header, "|" + "---|" * (15 + tensor)]
     feasible = [c for c in candidates if c.infeasible is None][:top]
     rejected = [c for c in candidates if c.infeasible is not None][:infeasible]
     for i, c in enumerate([*feasible, *rejected], start=1):
@@ -223,6 +226,7 @@ def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int
             cfg.schedule + (" (staggered)" if passing and cfg.stagger else ""),
             str(cfg.pipeline_parallel_size),
             str(cfg.data_parallel_size),
+            *([str(cfg.tensor_parallel_size)] if tensor else []),
             str(cfg.stages_per_rank),
             f"{cfg.num_microbatches} × {cfg.microbatch_size}",
             str(cfg.microbatch_group_size or ""),

@@ -190,9 +190,13 @@ def _fault_time(stderr: str) -> float:
     return float(found[0])
 
 
+# each kind of fault on the first and on the last pipeline rank, of one data-parallel replica or the other
+# (rank r is pipeline rank r % 2 of replica r // 2): every position and every replica is hit by one kind
+FAULT_PLACES = [("layer_raise", 0), ("layer_raise", 3), ("layer_kill", 1), ("layer_kill", 2)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank", [0, 1, 2, 3])
-@pytest.mark.parametrize("fault", ["layer_raise", "layer_kill"])
+@pytest.mark.parametrize(("fault", "rank"), FAULT_PLACES)
 def test_a_fault_inside_the_schedule_stops_every_process(fault, rank, tmp_path):
     """A layer raising (or the process killed) on one rank mid-step: all 4 processes exit non-zero, in time."""
     proc = run_worker([watched_run(fault, rank)], 4, tmp_path, timeout=180)

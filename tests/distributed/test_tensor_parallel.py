@@ -10,6 +10,8 @@ process: losses at every step on every rank and every final weight within 1e-5.
   parameter groups with a checkpoint after the first epoch, resumed at t=1 under two other layouts (p=4; p=2
   dp=2) equal to the run that did not stop;
 - 8 processes, p=2 t=2 dp=2;
+- the GPT of ``examples/train_gpt.py`` (the benchmark suite's), attention split by heads through its fused
+  ``qkv``, at p=2 t=2 and p=2 t=2 dp=2;
 - a Hugging Face Llama parallelised by its own ``base_model_tp_plan`` (q/k/v, gate and up column-wise, o and down
   row-wise, the LM head column-wise with its logits gathered), at p=2 t=2 and p=2 t=2 dp=2;
 - refused, on every rank with the reason: a ``configure_model`` that parallelises a module outside
@@ -20,7 +22,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import assert_trained_as_on_one_device, launch, relative_error
+from tests.distributed.harness import (
+    assert_params_match,
+    assert_steps_match,
+    assert_trained_as_on_one_device,
+    launch,
+    relative_error,
+)
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -84,10 +92,24 @@ def hf_run(name: str, dp: int = 1) -> RunSpec:
     )
 
 
-FOUR.append(hf_run("hf_llama_p2_t2"))
-EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2)]
+def gpt_run(name: str, dp: int = 1) -> RunSpec:
+    """The GPT of ``examples/train_gpt.py`` (4 blocks, 4 heads) with its own ``parallelize_layer``."""
+    return RunSpec(
+        name=name,
+        strategy=dict(P2_T2),
+        model={"layers": 4},
+        model_factory="tests.tp_models:gpt_module",
+        loader_factory="tests.tp_models:gpt_loader",
+        local_batch_size=16 // dp,
+        data_parallel_size=dp,
+    )
+
+
+FOUR += [hf_run("hf_llama_p2_t2"), gpt_run("gpt_p2_t2")]
+EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2), gpt_run("gpt_p2_t2_dp2", dp=2)]
 EQUAL = [*FOUR[:3], EIGHT[0]]
-HF = [FOUR[-1], EIGHT[1]]
+HF = [FOUR[-2], EIGHT[1]]
+GPT = [FOUR[-1], EIGHT[2]]
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +146,22 @@ def test_trains_as_on_one_device(run, results):
     # the blocks' MLPs are split over the tensor group, and nothing else
     split = {n for h in holdings for n in h["tensor_parallel_parameters"]}
     assert split == {f"blocks.{b}.{lin}.{w}" for b in range(8) for lin in ("up", "down") for w in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("run", GPT, ids=lambda r: r.name)
+def test_the_examples_gpt_trains_as_on_one_device(run, results):
+    """Attention split by heads through the fused ``qkv`` (each rank's rows are whole heads), the MLP by hidden
+    units; losses on every rank and every weight equal one device's, and the weights moved."""
+    from tests.tp_models import gpt_module, gpt_reference_run
+
+    result, ref = results[run.name], gpt_reference_run(run)
+    assert_steps_match(result, ref, tol=TOL)
+    assert_params_match(result, ref, tol=TOL)
+    initial = gpt_module(run).state_dict()
+    assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 30 * TOL
+    split = {n for r in result.ranks for n in r["holdings"]["tensor_parallel_parameters"]}
+    linears = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")
+    assert split == {f"blocks.{b}.{n}" for b in range(4) for n in (*linears, "mlp.2.bias")}
 
 
 def test_clipping_uses_the_whole_models_norm(results):

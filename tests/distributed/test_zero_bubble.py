@@ -4,8 +4,9 @@ Breadth-first's sweeps with the backward split into input gradients (``I``, torc
 weight gradients (``W``, ``BACKWARD_WEIGHT``), the weight gradients placed where the rank would wait
 (:func:`lightning_bfpp.plan.schedule.breadth_first_zb`). On 4 CPU processes, fp32, SGD (a wrong gradient
 scale shows): p=2 dp=2 v=2 m=4 with each sharding, with the reductions on the communication thread, with
-gradient accumulation over 2 batches, with a weight tied across stages (embedding and head, clipped), and p=4
-dp=1 v=2 m=2 (fewer micro-batches than ranks, where the weight gradients also fill the waits between sweeps).
+gradient accumulation over 2 batches, with a weight tied across stages (embedding and head, clipped), with
+activation checkpointing, and p=4 dp=1 v=2 m=2 (fewer micro-batches than ranks, where the weight gradients
+also fill the waits between sweeps).
 Every step's loss on every rank and every final weight within 1e-5 of one device's.
 """
 
@@ -41,6 +42,8 @@ RUNS = [
     zb_run("accumulate", trainer={"accumulate_grad_batches": 2, "max_steps": 3}),
     zb_run("tied_clipped", model={"tie_blocks": True}, trainer={"gradient_clip_val": 0.05}),
     zb_run("p4_m2", {"pipeline_parallel_size": 4, "num_microbatches": 2}, dp=1, batch=8),
+    # the input-gradient pass recomputes the layer; the weight pass reads what that recomputation saved
+    zb_run("recompute", {"activation_checkpointing": True}),
 ]
 
 
@@ -52,3 +55,16 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
 def test_trains_as_on_one_device(run, results):
     assert_trained_as_on_one_device(results[run.name], run, tol=TOL)
+
+
+def test_every_backward_is_split_into_input_and_weight_actions(results):
+    """The runs above executed split backwards: every rank's action list holds one ``BACKWARD_INPUT`` and one
+    ``BACKWARD_WEIGHT`` per forward and no whole ``FULL_BACKWARD`` (an unsplit list would train the same)."""
+    for run in RUNS:
+        for rank in results[run.name].ranks:
+            placements = rank["holdings"]["receive_placement"]
+            assert placements, f"{run.name}: no pipeline schedule was built"
+            for placement in placements:
+                kinds = placement["kinds"]
+                assert kinds.get("FULL_BACKWARD", 0) == 0, (run.name, kinds)
+                assert kinds["FORWARD"] == kinds["BACKWARD_INPUT"] == kinds["BACKWARD_WEIGHT"] > 0, (run.name, kinds)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import tests.lean_imports  # noqa: F401
 
 # isort: split
+import collections
 import contextlib
 import dataclasses
 import json
@@ -239,7 +240,8 @@ class EventLog:
 
 def _receive_placement(strategy: Any) -> list[dict[str, Any]]:
     """For each pipeline schedule this rank built: whether it posts receives early, how many receives its
-    action list holds, and how many of them come before its first other action."""
+    action list holds, how many of them come before its first other action, and how many actions of each
+    computation type (``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``, …) its list holds."""
     from lightning_bfpp.engine.runtime import PlannedSchedule
 
     placements = []
@@ -249,7 +251,10 @@ def _receive_placement(strategy: Any) -> list[dict[str, Any]]:
         actions = [a for a in schedule.pipeline_order_with_comms[strategy.pipeline_rank] if a is not None]
         is_receive = [a.computation_type.name in ("RECV_F", "RECV_B") for a in actions]
         leading = next((i for i, r in enumerate(is_receive) if not r), len(is_receive))
-        placements.append({"early": schedule.early_receives, "receives": sum(is_receive), "leading": leading})
+        kinds = collections.Counter(a.computation_type.name for a in actions)
+        placements.append(
+            {"early": schedule.early_receives, "receives": sum(is_receive), "leading": leading, "kinds": kinds}
+        )
     return placements
 
 

@@ -126,3 +126,22 @@ def test_models_keep_their_unsplit_default() -> None:
     net = EmulatedNet(EmulatedModel(layers=2, param_numel=NUMEL, weight_grad_ms=5.0))
     assert all(layer.weight_grad_s == pytest.approx(0.005) for layer in net.layers)
     assert all(layer.weight_grad_s is None for layer in EmulatedNet(EmulatedModel(layers=2, param_numel=8)).layers)
+
+
+def test_the_profile_measures_the_weight_gradient_part_of_each_backward() -> None:
+    """``profile_module`` times the input-gradient pass alone, then the whole backward: the difference is each
+    layer's ``backward_weight_s``, which the planner charges to zero-bubble schedules' ``W`` actions. A layer whose
+    backward cannot be split has none; the first layer (its input needs no gradient) has only a weight pass."""
+    from lightning_bfpp.measure.profile import profile_module
+
+    batch = (torch.randn(ROWS, 8),)
+    split = profile_module(EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)), batch, repeats=2)
+    first, *rest = split.layers
+    assert first.backward_weight_s == pytest.approx(first.backward_s, abs=1e-3)  # all of it: no input to differentiate
+    for layer in rest:  # (a sleep never ends early; a late wake-up is far below 30 ms)
+        assert (INPUT_MS + WEIGHT_MS) / 1e3 <= layer.backward_s < (2 * INPUT_MS + WEIGHT_MS) / 1e3
+        assert WEIGHT_MS / 1e3 - 0.01 <= layer.backward_weight_s <= WEIGHT_MS / 1e3 + INPUT_MS / 1e3 - 0.01
+        assert layer.input_grad_s < INPUT_MS / 1e3 + 0.02
+    whole = profile_module(EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8)), batch, repeats=2)
+    for layer in whole.layers[1:]:
+        assert layer.backward_s >= INPUT_MS / 1e3 and layer.backward_weight_s < 0.01

@@ -57,3 +57,27 @@ def test_the_search_considers_tensor_sizes_that_divide_a_node():
     assert sizes == {1, 2, 4}  # 3 divides no node of 8
     assert all(c.config.pipeline_parallel_size * c.config.data_parallel_size * c.config.tensor_parallel_size == 16
                for c in candidates)  # fmt: skip
+
+
+def test_the_command_line_considers_the_tensor_sizes_it_is_given(capsys):
+    from lightning_bfpp.plan.__main__ import main
+
+    args = ["--gpt", "16,4096,2048,51200", "--flops", "150e12", "--devices", "16", "--devices-per-node", "8",
+            "--memory", "80GiB", "--intra-node-bandwidth", "200GB/s", "--inter-node-bandwidth", "25GB/s",
+            "--global-batch", "8", "--schedules", "breadth_first", "--top", "200"]  # fmt: skip
+    main(args)
+    assert "| dp | v |" in capsys.readouterr().out  # no tensor column without tensor groups
+    main([*args, "--tensor-parallel-sizes", "1,2,4"])
+    out = capsys.readouterr().out
+    assert "| dp | t | v |" in out
+    sizes = {line.split(" | ")[4] for line in out.splitlines() if line.startswith("| ") and "breadth_first" in line}
+    assert sizes == {"1", "2", "4"}
+
+
+def test_a_tensor_all_reduce_pays_its_own_measured_fixed_cost():
+    """``plan calibrate`` measures a tensor group's all-reduce as a step runs it (right after each member's own
+    work); where it has, that fixed cost replaces the quiet collectives' one."""
+    quiet = replace(CLUSTER, collective_overhead_s=1e-3)
+    in_step = replace(quiet, tensor_collective_overhead_s=3e-3)
+    assert tensor_all_reduce_s(in_step, 2, 4096) - tensor_all_reduce_s(quiet, 2, 4096) == pytest.approx(2e-3)
+    assert tensor_all_reduce_s(in_step, 1, 4096) == 0.0

@@ -323,3 +323,16 @@ def test_validator_makes_i_wait_for_the_next_stage_and_w_for_its_own_i_only():
     validate(flowing, 2, 1, 2)
     with pytest.raises(ScheduleError, match="backward in a forward-only schedule"):
         validate(parse_schedule({0: ["0F0", "0I0"]}), 1, 1, 1, backward=False)
+
+
+def test_the_planners_peak_memory_for_the_split_schedule_is_never_below_breadth_firsts():
+    """A ``W`` needs the layer's input, so the planner keeps each micro-batch's activations until its ``W``, not
+    its ``I``. With the sweeps every forward of a rank still precedes its first ``I``, so the peak (at the end of
+    the forward sweeps) is breadth-first's, plus what waits for a ``W`` when it comes later; never below it."""
+    profile = uniform(8, 1.0, 2.0, 1, 1, 100, optimizer_state_ratio=0.0)
+    cluster = Cluster(4, 4, 2**40, 1e12, 1e12, latency_s=0.0)
+    for m in (2, 4, 8):
+        looped = PlanConfig("breadth_first", 4, 1, 2, m, 1)
+        whole = simulate(looped, profile, cluster).peak_memory
+        split = simulate(PlanConfig("breadth_first_zb", 4, 1, 2, m, 1), profile, cluster).peak_memory
+        assert whole >= 2 * m * 100 and split >= whole, (m, split, whole)

@@ -31,7 +31,7 @@ def test_the_tensor_group_is_innermost_and_the_sizes_count_groups():
         ({"tensor_parallel_size": 3}, 6, 2, "must divide the processes of a node"),
         ({"tensor_parallel_size": 2, "pipeline_parallel_size": 4}, 4, 4, "must divide the world size"),
         ({"tensor_parallel_size": 2, "schedule": "weight_passing"}, 4, 4, "weight_passing' with tensor_parallel"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": "auto"}, 4, 4, "does not model tensor parallelism"),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": "auto"}, 4, 4, "cannot see what the split costs"),
         ({"tensor_parallel_size": 2, "sharding": "hybrid_shard"}, 8, 4, "hybrid_shard' with tensor_parallel"),
     ],
 )
