@@ -150,7 +150,7 @@ def _tensor_all_reduce(
     group = groups[rank // size]
     buf = torch.zeros(TENSOR_ALL_REDUCE_BYTES // 4, device=device)
     times = []
-    for attempt in range(repeats + 2):
+    for attempt in range(4 * repeats + 2):  # cheap (a few ms each), and noisy on shared cores
         time.sleep(5e-3)
         if cuda:
             torch.cuda.synchronize(device)
@@ -257,8 +257,8 @@ def measure_runtime(
 ) -> tuple[Cluster, list[dict[str, Any]]]:
     """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
 
-    Each configuration of :func:`runtime_configs` trains ``steps`` steps ``rounds`` times, the two
-    configurations alternating in one job; its median step time (after the first, which also infers shapes),
+    Each configuration of :func:`runtime_configs` trains ``steps`` steps in a job of its own, ``rounds`` times,
+    the two configurations alternating; its median step time (after the first, which also infers shapes),
     the median over its rounds, less the simulated one (this machine's links, the emulated layers' measured
     sleeps) is the runtime's cost, fitted as a cost per step and per action charged as the simulation
     charges them (:func:`cost_weights`, :func:`fit_runtime_costs`). One round of each moved the fitted
@@ -284,9 +284,12 @@ def measure_runtime(
     profile = replace(profile, optimizer_state_ratio=0.0)
     split = tensor_runtime_config(devices) if tensor else None
     configs = [*runtime_configs(devices), *([split] if split is not None else [])]
-    # every round of every layout in one job (one start-up), the layouts alternating
-    times = run_emulated_many([(config, RUNTIME_MODEL) for _ in range(rounds) for config in configs], steps, devices)
-    runs = [times[i :: len(configs)] for i in range(len(configs))]
+    # each round of each layout in a job of its own, the layouts alternating: in one long job at 8 processes on
+    # 2 cores the later rounds ran up to a quarter slower than the first, and the fitted cost per action with them
+    runs: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            runs[i].append(run_emulated(config, RUNTIME_MODEL, steps, devices))
     rows = [
         {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
          "rounds_s": measured, **cost_weights(config, profile, links)}

@@ -29,7 +29,9 @@ LOOPED = PlanConfig("breadth_first", 4, 1, 2, 4, 1)
 FLAT = PlanConfig("1f1b", 4, 1, 1, 4, 1)
 ZERO_BUBBLE = replace(LOOPED, schedule="breadth_first_zb")
 TENSOR = replace(LOOPED, pipeline_parallel_size=2, tensor_parallel_size=2)
-RUNS = [(FLAT, MODEL), (LOOPED, MODEL), (ZERO_BUBBLE, SPLIT), (LOOPED, SPLIT), (TENSOR, MODEL)]
+# 10 ms and 20 ms: tensor parallelism's all-reduces (a few ms each with gloo here) weigh against half of that
+SHORT = replace(MODEL, forward_ms=10.0, backward_ms=20.0)
+RUNS = [(FLAT, MODEL), (LOOPED, MODEL), (ZERO_BUBBLE, SPLIT), (LOOPED, SPLIT), (LOOPED, SHORT), (TENSOR, SHORT)]
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +66,14 @@ def test_zero_bubble_gain_over_breadth_first_is_predicted(measured):
 
 
 def test_tensor_parallel_layout_against_a_deeper_pipeline_is_predicted(measured):
-    """p=2 t=2 against p=4 on the same 4 processes: each tensor rank computes half of every layer it holds and
-    all-reduces the layers' outputs and input gradients over its group with real gloo collectives
-    (``EmulatedLayer.parallelize``). The planner's ratio, with one all-reduce per pass and layer of its 4 KiB
-    output at the cost ``plan calibrate`` measures on this machine, within 10% of the measured one; with free
-    all-reduces it would predict the shallower pipeline's smaller bubble alone, more than 10% off."""
+    """p=2 t=2 against p=4 on the same 4 processes, layers of 10 ms forward and 20 ms backward: each tensor rank
+    computes half of every layer it holds and all-reduces the layers' outputs and input gradients over its group
+    with real gloo collectives (``EmulatedLayer.parallelize``). The planner's ratio, with one all-reduce per pass
+    and layer of its 4 KiB output at the cost ``plan calibrate`` measures on this machine (links only, as a
+    step pays a tensor all-reduce), within 15% of the measured one; with free all-reduces it would predict the
+    shallower pipeline's smaller bubble alone, more than 15% off."""
     deep, tensor = LOOPED, TENSOR
-    profile = uniform(8, 20e-3, 40e-3, 4096, 4096, optimizer_state_ratio=0.0)
+    profile = uniform(8, 10e-3, 20e-3, 4096, 4096, optimizer_state_ratio=0.0)
     profile = replace(profile, layers=tuple(replace(layer, tensor_parallel_all_reduces=1) for layer in profile.layers))
     cluster, _ = calibrate(4, group_size=2, runtime=False)
     free = replace(cluster, tensor_collective_overhead_s=0.0, latency_s=0.0)
@@ -78,6 +81,6 @@ def test_tensor_parallel_layout_against_a_deeper_pipeline_is_predicted(measured)
     def ratio_on(machine: Cluster) -> float:
         return simulate(deep, profile, machine).step_time / simulate(tensor, profile, machine).step_time
 
-    ratio = measured[deep, MODEL] / measured[tensor, MODEL]
-    assert ratio == pytest.approx(ratio_on(cluster), rel=0.10), (ratio, ratio_on(cluster))
-    assert ratio != pytest.approx(ratio_on(free), rel=0.10), (ratio, ratio_on(free))
+    ratio = measured[deep, SHORT] / measured[tensor, SHORT]
+    assert ratio == pytest.approx(ratio_on(cluster), rel=0.15), (ratio, ratio_on(cluster), cluster)
+    assert ratio != pytest.approx(ratio_on(free), rel=0.15), (ratio, ratio_on(free))

@@ -199,14 +199,11 @@ def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(mon
     # the second round of the many-action layout was disturbed (other work on the machine): 1 s instead of 0.3
     steps = {few.num_microbatches: [0.10, 0.11, 0.12], many.num_microbatches: [0.30, 1.00, 0.32]}
 
-    def run_emulated_many(runs, steps_, devices):
-        times = []
-        for config, _ in runs:
-            order.append(config.num_microbatches)
-            times.append(steps[config.num_microbatches][order.count(config.num_microbatches) - 1])
-        return times
+    def run_emulated(config, model, steps_, devices):
+        order.append(config.num_microbatches)
+        return steps[config.num_microbatches][order.count(config.num_microbatches) - 1]
 
-    monkeypatch.setattr(calibration, "run_emulated_many", run_emulated_many)
+    monkeypatch.setattr(calibration, "run_emulated", run_emulated)
     links = Cluster(num_devices=2, devices_per_node=2, memory_bytes=2**30, intra_node_bandwidth=1e9,
                     inter_node_bandwidth=1e9)  # fmt: skip
     cluster, rows = calibration.measure_runtime(2, links, steps=3, rounds=3, tensor=False)
