@@ -9,7 +9,7 @@
   idle, as most ranks' links are during a real step. Then a tensor group's all-reduce as a step runs it:
   every group of ``--group-size`` consecutive processes at once, each call right after the process's own
   work, so that it pays for the group's members not arriving together (on this 2-core machine, about
-  3 ms per small all-reduce in a step against 1.5 ms back to back); One machine only shows its intra-node links; the
+  3 ms per small all-reduce in a step against 1.5 ms back to back). One machine only shows its intra-node links; the
   inter-node bandwidth is written equal to them unless given;
 - **the runtime** (:func:`measure_runtime`): ``BFPPStrategy`` trains an emulated model (layers that sleep 5 and
   10 ms, :mod:`~lightning_bfpp.measure.emulated`) on all the processes in two layouts, the second with 4× more

@@ -3,6 +3,7 @@ the topology model, the search, and the command line."""
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -232,3 +233,20 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     # without the runtime's prefetch, the first gather waits for the host work
     late = simulate(PlanConfig("breadth_first", 1, 2, 1, 1, 1, prefetch_stages=0), profile, busy)
     assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)
+
+
+def test_the_runtime_calibration_recovers_a_tensor_all_reduces_cost_from_a_step():
+    """``measure_runtime``'s third layout: the fixed cost per tensor all-reduce that makes the simulated step the
+    measured one. A step simulated with 2 ms per all-reduce gives back 2 ms."""
+    from lightning_bfpp.measure import calibrate as calibration
+
+    config = calibration.tensor_runtime_config(4)
+    assert config is not None and config.tensor_parallel_size == 2 and config.pipeline_parallel_size == 2
+    assert calibration.tensor_runtime_config(3) is None
+    profile = uniform(16, 5e-3, 10e-3, 4096, 4096, optimizer_state_ratio=0.0)
+    profile = replace(profile, layers=tuple(replace(layer, tensor_parallel_all_reduces=1) for layer in profile.layers))
+    cluster = Cluster(4, 4, 2**40, 1e9, 1e9, latency_s=0.0, action_overhead_s=1e-3)
+    measured = simulate(config, profile, replace(cluster, tensor_collective_overhead_s=2e-3)).step_time
+    row = calibration._tensor_cost(config, profile, cluster, measured)
+    assert row["tensor_collective_overhead_s"] == pytest.approx(2e-3, rel=1e-3)
+    assert row["tensor_all_reduces"] >= 2 * 4 * config.stages_per_rank  # per layer, forward and backward
