@@ -16,6 +16,11 @@ Besides the schedules and shardings, the configurations include ``breadth_first_
 is split into input and weight gradients (the profile measures the two parts), and tensor parallelism
 (``t=2``: each layer's compute and weight halved, its output and input gradient all-reduced over the tensor
 group with real collectives), with small and with 256 KiB activations.
+
+At 4 processes it then checks ``BFPPStrategy(pipeline_parallel_size="auto", tensor_parallel_size=2)`` end to
+end, on the calibrated cluster: the strategy measures the layers split over each tensor group, chooses a
+layout, and the step it predicted for that layout is compared with the step measured in the same run. (Its
+layers sleep per sample, as real layers compute: "auto" measures one whole batch and chooses micro-batch sizes.)
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_bfpp.measure.calibrate import calibrate, one_thread, run_emulated
+from lightning_bfpp.measure.calibrate import calibrate, one_thread, run_emulated, run_emulated_auto
 from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
+from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
@@ -75,6 +81,9 @@ CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
     ],
 }
 
+# "auto" with tensor groups of 2 at 4 processes: the layouts it chooses between, and the models
+AUTO_TENSOR = PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2)
+AUTO_MODELS = [replace(MODEL, per_sample=True), replace(WIDE, per_sample=True)]
 
 # --topology: 4 processes as 2 nodes × 2, one global batch of 8 samples, two models of 8 layers
 LONG = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=1 << 18)
@@ -132,6 +141,20 @@ def main() -> None:
         print(f"| {config.describe()} | {model.param_bytes / 2**20:.2f} MiB | {1e3 * prediction.step_time:.1f} |"
               f" {1e3 * step:.1f} | {error:+.1%} | {prediction.bubble_fraction:.1%} |", flush=True)  # fmt: skip
     print(f"\n{within} of {len(configs)} configurations within 10%")
+    if args.devices == 4:
+        _auto_tensor(cluster, args.steps)
+
+
+def _auto_tensor(cluster: Cluster, steps: int) -> None:
+    """``pipeline_parallel_size="auto"`` with ``tensor_parallel_size=2``: the step the strategy predicted for
+    the layout it chose, against the step it then ran."""
+    print("\npipeline_parallel_size='auto', tensor_parallel_size=2 (layers measured split by the strategy)\n")
+    print("| activations per sample | chosen layout | predicted step (ms) | measured step (ms) | error |")
+    print("|---|---|---|---|---|")
+    for model in AUTO_MODELS:
+        step, chosen, predicted = run_emulated_auto(AUTO_TENSOR, model, steps, 4, cluster)
+        print(f"| {model.activation_bytes // 1024} KiB | {chosen.describe()} | {1e3 * predicted:.1f} |"
+              f" {1e3 * step:.1f} | {predicted / step - 1:+.1%} |", flush=True)  # fmt: skip
 
 
 def _topology(steps: int, out: Path) -> None:

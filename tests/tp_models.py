@@ -10,7 +10,9 @@ the head stay replicated. Two ways in, as users write them:
 - ``tp="configure_model"``: Lightning's convention (as under ``ModelParallelStrategy``): ``configure_model``
   applies ``parallelize_module`` to every block with ``self.device_mesh["tensor_parallel"]``, before the split;
 - ``tp="outside"``: ``configure_model`` also parallelises the module's ``extra`` linear, which is outside
-  ``pipeline_layers()``: refused.
+  ``pipeline_layers()``: refused;
+- ``tp="not_last"``: ``parallelize_layer`` leaves the last block whole; with ``tie_blocks`` its ``up`` weight,
+  tied to the first block's split one, is then split differently on two stages: refused.
 
 On one device (the reference) there is no tensor mesh and both leave the module as it is.
 
@@ -41,6 +43,7 @@ class TensorParallelNet(PipeNet):
         self.tp = tp
         if tp == "outside":
             self.extra = nn.Linear(4, 4)  # not a pipeline layer, and unused
+        self.blocks[-1].last = True
 
     def _tensor_mesh(self) -> Any:
         mesh = getattr(self, "device_mesh", None)
@@ -48,13 +51,14 @@ class TensorParallelNet(PipeNet):
         return mesh["tensor_parallel"] if "tensor_parallel" in names else None
 
     def parallelize_layer(self, layer: nn.Module, tp_mesh: Any) -> nn.Module:
-        if self.tp == "layer" and isinstance(layer, Block):
+        every = self.tp == "layer" or (self.tp == "not_last" and not getattr(layer, "last", False))
+        if every and isinstance(layer, Block):
             parallelize_module(layer, tp_mesh, dict(MLP_PLAN))
         return layer
 
     def configure_model(self) -> None:
         tp_mesh = self._tensor_mesh()
-        if tp_mesh is None or self.tp == "layer":
+        if tp_mesh is None or self.tp not in ("configure_model", "outside"):
             return
         for block in self.blocks:
             parallelize_module(block, tp_mesh, dict(MLP_PLAN))

@@ -6,13 +6,21 @@ given or derived from the devices), simulates every feasible pipeline size (and,
 ``"auto"`` too, stages per rank and micro-batch counts) for the configured schedule and sharding, and
 broadcasts the fastest to every rank; all ranks then build the same mesh. ``partition="time"`` measures the
 same way and broadcasts each layer's forward + backward time, which the partitioner balances.
+
+With ``tensor_parallel_size=t > 1`` every tensor group (``t`` consecutive global ranks, a group in every
+layout) measures at once, each layer split by the module's own per-layer parallelisation
+(``parallelize_layer`` or ``parallelize_fn``), and global rank 0's group's profile is planned: one tensor rank's
+share of each layer's compute and bytes, with its collectives counted and charged as the cluster prices them
+(``LayerCost.measured_split``). Measuring layers whole and dividing by ``t`` would miss which layers split and
+what the user's plan leaves whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +28,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_bfpp.adapter._lightning_compat import request_train_dataloader
 from lightning_bfpp.engine.agreement import AgreedError
+from lightning_bfpp.engine.sharding import tensor_group_mesh
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.config import PipelineConfig
 from lightning_bfpp.plan.costs import ModelProfile
@@ -49,14 +60,42 @@ def load_cluster(cluster: Cluster | str | Path | None, world_size: int, per_node
     return replace(cluster, num_devices=world_size, devices_per_node=per_node)
 
 
+@dataclass(frozen=True)
+class TensorSplit:
+    """How this rank splits a layer to measure it: the module's ``parallelize(layer, tp_mesh)`` on its tensor
+    group's own mesh (:func:`~lightning_bfpp.engine.sharding.tensor_group_mesh`)."""
+
+    mesh: DeviceMesh
+    parallelize: Callable[[nn.Module, DeviceMesh], Any]
+
+
+def _training_batch(trainer: Trainer, split: TensorSplit | None) -> Any:
+    """One training batch; with ``split``, global rank 0's on every rank (each all-reduce of a split layer
+    needs the same shapes on every member of a group, and batches padded to their own longest differ)."""
+    if split is None:
+        return next(iter(request_train_dataloader(trainer)))
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = next(iter(request_train_dataloader(trainer)))
+        except Exception as error:  # shared, so that nobody waits for a batch that never comes
+            box[0] = error
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def measure_profile(
     module: LightningModule,
     trainer: Trainer,
     device: torch.device,
     what: str = "BFPPStrategy(pipeline_parallel_size='auto')",
     instead: str = "a fixed pipeline_parallel_size",
+    split: TensorSplit | None = None,
 ) -> ModelProfile:
-    """Profile the module on one training batch (its micro-batch size is the per-replica batch size)."""
+    """Profile the module on one training batch (its micro-batch size is the per-replica batch size); with
+    ``split``, every rank calls it, and each layer is measured split over the rank's tensor group."""
     from lightning_bfpp.measure.profile import profile_module
 
     if any(p.is_meta for p in module.parameters()):
@@ -64,12 +103,13 @@ def measure_profile(
             f"{what} measures the model's layers on one device, but the model is on the meta device. Pass"
             f" `plan_profile=` (a ModelProfile or its JSON) or {instead}."
         )
-    batch = next(iter(request_train_dataloader(trainer)))
-    batch = trainer.strategy.batch_to_device(batch, device)
+    batch = trainer.strategy.batch_to_device(_training_batch(trainer, split), device)
     original = next(module.parameters()).device
     module.to(device)
     try:
-        return profile_module(module, batch)
+        if split is None:
+            return profile_module(module, batch)
+        return profile_module(module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh)
     finally:
         module.to(original)
 
@@ -110,11 +150,13 @@ def _choose_here(
     cluster: Cluster,
     profile: ModelProfile | None,
     device: torch.device,
+    split: TensorSplit | None,
 ) -> tuple[Candidate, str] | Exception:
     if profile is None:
-        profile = measure_profile(module, trainer, device)
+        profile = measure_profile(module, trainer, device, split=split)
     batch = profile.microbatch_size
     space = SearchSpace(
+        tensor_parallel_sizes=(config.tensor_parallel_size,),
         schedules=(config.schedule,),
         shardings=(config.sharding,),
         mesh_orders=(config.mesh_order,),
@@ -139,17 +181,29 @@ def choose(
     profile: ModelProfile | None,
     device: torch.device,
     is_global_zero: bool,
+    parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
 ) -> tuple[Candidate, str]:
-    """The fastest layout, decided on global rank 0 and identical on every rank, with the table behind it."""
+    """The fastest layout, decided on global rank 0 and identical on every rank, with the table behind it.
+
+    With tensor parallelism (and no profile given), every tensor group measures its layers split at the same
+    time (each device busy, as in a step), and global rank 0's group's profile is planned."""
+    split = None
+    if config.tensor_parallel_size > 1 and profile is None:
+        assert parallelize is not None
+        split = TensorSplit(tensor_group_mesh(config.tensor_parallel_size, device), parallelize)  # a collective
     box: list[Any] = [None]
     if is_global_zero:
         try:
-            box[0] = _choose_here(config, module, trainer, cluster, profile, device)
+            box[0] = _choose_here(config, module, trainer, cluster, profile, device, split)
         except Exception as error:  # measured and planned on rank 0 only: share the failure, never hang
             box[0] = RuntimeError(
                 f"BFPPStrategy(pipeline_parallel_size='auto'): planning on global rank 0 failed:"
                 f" {type(error).__name__}: {error}"
             )
+    elif split is not None:
+        # global rank 0 meets any failure in the same place, and shares it
+        with contextlib.suppress(Exception):
+            measure_profile(module, trainer, device, split=split)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise AgreedError(str(box[0]))
@@ -173,12 +227,25 @@ def planned_config(
     device: torch.device,
     is_global_zero: bool,
     info: Callable[[str], None],
-) -> PipelineConfig:
-    """``pipeline_parallel_size="auto"``: ``config`` with the layout the planner chose (the same on every rank)."""
+    parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
+) -> tuple[PipelineConfig, Candidate]:
+    """``pipeline_parallel_size="auto"``: ``config`` with the layout the planner chose (the same on every rank),
+    and the planner's candidate for it (its predicted step and peak memory).
+    ``parallelize``: the module's per-layer tensor parallelisation, which ``tensor_parallel_size > 1`` needs
+    (checked on every rank before any collective)."""
+    given = _profile(profile)
+    t = config.tensor_parallel_size
+    if t > 1 and given is None and parallelize is None:
+        raise AgreedError(
+            f"BFPPStrategy(pipeline_parallel_size='auto', tensor_parallel_size={t}) measures the layers split as"
+            " training splits them, which needs the split per layer: define `parallelize_layer(layer, tp_mesh)`"
+            " on the module or pass `parallelize_fn=` to the strategy. (`configure_model` runs before the layout,"
+            " and so the mesh, is chosen.) Or give pipeline_parallel_size."
+        )
     machine = load_cluster(cluster, world_size, processes_per_node, device)
     # the planner models the reductions the strategy will run
     machine = replace(machine, overlap_reductions=overlap_reductions)
-    best, table = choose(config, module, trainer, machine, _profile(profile), device, is_global_zero)
+    best, table = choose(config, module, trainer, machine, given, device, is_global_zero, parallelize)
     chosen = best.config
     info(f"BFPPStrategy(pipeline_parallel_size='auto') chose {chosen.describe()}:\n{table}")
     return replace(
@@ -187,7 +254,7 @@ def planned_config(
         stages_per_rank=chosen.stages_per_rank,
         num_microbatches=chosen.num_microbatches,
         microbatch_group_size=chosen.microbatch_group_size,
-    )
+    ), best
 
 
 def resolved_partition(

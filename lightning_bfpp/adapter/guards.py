@@ -1,7 +1,8 @@
 """What the strategy refuses, checked up front on every rank, each with the reason and the fix.
 
 Arguments when the strategy is built; the precision plugin when the Trainer is; the Trainer's callbacks and
-the module's optimization mode at set-up; torchmetrics that would sync inside a step while the layers are split.
+the module's optimization mode at set-up; torchmetrics that would sync inside a step while the layers are split;
+parameters that ``configure_model`` untied by splitting their users one by one.
 (Collectives called from inside a step are refused where they are called: see ``user_step.collective_refusal``.)
 """
 
@@ -83,4 +84,31 @@ def check_metrics(module: nn.Module) -> None:
                 " `dist_sync_on_step`: a metric logged with `self.log(name, metric)` shows the step value of the"
                 " global batch anyway (step values are reduced over data-parallel replicas), and its epoch value"
                 " is synced by Lightning."
+            )
+
+
+def shared_parameters(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each Parameter the module uses under several names (tied weights), before
+    ``configure_model`` runs."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def check_ties_kept(before: list[tuple[str, ...]], module: nn.Module, tensor_parallel_size: int) -> None:
+    """Refuse weights tied before ``configure_model`` and separate after it, under tensor parallelism:
+    ``parallelize_module`` on each user of a tied weight gives each its own split copy, and the model would
+    train untied, silently different from one device. (Per layer, after the split, the pipeline keeps ties.)"""
+    if tensor_parallel_size == 1:
+        return
+    now = dict(module.named_parameters(remove_duplicate=False))
+    for names in before:
+        if all(n in now for n in names) and len({id(now[n]) for n in names}) > 1:
+            raise ValueError(
+                f"BFPPStrategy: `{'`, `'.join(names)}` were one tied Parameter before `configure_model` and are"
+                " separate after it: tensor-parallelising each user there gives each its own copy, so they"
+                " would train untied. Parallelise the layers in `parallelize_layer(layer, tp_mesh)` or with"
+                " `parallelize_fn=` instead (the pipeline keeps ties and checks that every copy is split alike),"
+                " or untie them."
             )

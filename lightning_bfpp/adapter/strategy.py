@@ -68,6 +68,7 @@ from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.partition import StagePlan
+from lightning_bfpp.plan.search import Candidate
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -216,12 +217,15 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self.stage_plan: StagePlan | None = None
         self.pipeline: Pipeline | None = None
         self.whole_model_summary: WholeModelSummary | None = None  # taken when the layers are split
+        # pipeline_parallel_size="auto": the layout the planner chose, with its predicted step and memory
+        self.planned: Candidate | None = None
         self.tied = TiedParameters([], {})  # copies of parameters tied across stages (see engine.tied)
         self._sharding_mesh: Any = None  # mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
         self._watchdog: FailureWatchdog | None = None
         self._trace: TraceSession | None = None
         self._log_sync: LoggedValueSync | None = None
         self._checkpoint_place: CheckpointPlace | None = None
+        self._ties_before_configure: list[tuple[str, ...]] = []
         # whether this process received SIGTERM (shared with the others by the step's collective)
         self._sigterm_noted: Callable[[], bool] = lambda: False
 
@@ -247,6 +251,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
                 f" torch runs {threads} intra-op thread(s) per process, as under torchrun (set"
                 " OMP_NUM_THREADS to choose another count)."
             )
+        # tied weights as the module has them before `configure_model` (see guards.check_ties_kept)
+        self._ties_before_configure = guards.shared_parameters(self.lightning_module) if self.lightning_module else []
         planned = self.config.pipeline_parallel_size == "auto"
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
@@ -337,10 +343,11 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         device, zero, info = self.root_device, self.is_global_zero, rank_zero_info
         overlap = reductions.asked_for(self.overlap_reductions, device.type)
         if self.mesh_shape is None:  # pipeline_parallel_size="auto"
-            self.config = auto.planned_config(
+            self.config, self.planned = auto.planned_config(
                 self.config, module, trainer, cluster=self._plan_cluster, profile=self._plan_profile,
                 overlap_reductions=overlap, world_size=self.world_size, processes_per_node=self.processes_per_node,
                 device=device, is_global_zero=zero, info=info,
+                parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
             )  # fmt: skip
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
             self._build_device_mesh()
@@ -368,6 +375,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
 
         def place_here() -> Build:  # checks the module on every rank; some (layer placement) differ between ranks
             guards.check_metrics(module)
+            guards.check_ties_kept(self._ties_before_configure, module, mesh_shape.tensor_parallel_size)
             named = pipeline_layers(module)
             self.layout, self.stage_plan = plan_stages(self.config, mesh_shape, named, layer_times)
             self.whole_model_summary = WholeModelSummary.of(module, named, self.stage_plan)

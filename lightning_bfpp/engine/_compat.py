@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime as PipelineScheduleRuntime,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))
@@ -273,6 +274,20 @@ def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
     return module._parameters  # type: ignore[return-value]
 
 
+@contextmanager
+def parameters_replaced(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Let ``module``'s own forward compute with ``tensors`` (e.g. a parameter passed through an autograd
+    function) in place of its parameters of those names, for the duration of the block: the slots of
+    :func:`parameter_slots`, restored afterwards."""
+    slots = parameter_slots(module)
+    saved = {name: slots[name] for name in tensors}
+    slots.update(tensors)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        slots.update(saved)
+
+
 def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """The module's own buffers by attribute name, writable like :func:`parameter_slots`."""
     return module._buffers
@@ -297,11 +312,43 @@ def init_weights_as_model(model_class: type, config: Any, modules: Sequence[nn.M
             initializer._init_weights(module)
 
 
-def lm_head_tp_plan(model: Any) -> dict[str, str]:
-    """A ``transformers`` ``*ForCausalLM``'s tensor-parallel plan for its own modules (``{"lm_head":
-    "colwise_gather_output"}``): the class attribute ``_tp_plan``, which ``transformers`` reads when it
-    parallelises a model itself; the config holds only the base model's (``base_model_tp_plan``)."""
-    return dict(getattr(type(model), "_tp_plan", None) or {})
+def model_tp_plan(model: Any) -> dict[str, str]:
+    """A ``transformers`` ``*ForCausalLM``'s whole tensor-parallel plan, keyed by module paths inside it with the
+    base model's written ``model.`` (``transformers`` names it ``base_model_prefix``: ``model``, ``gpt_neox``).
+
+    ``transformers`` ≥ 5 resolves the plan on the model (``model.tp_plan``): the class's own ``_tp_plan`` (the
+    LM head), the config's ``base_model_tp_plan``, and a vocabulary-parallel ``embed_tokens``
+    (``embedding_rowwise``) that the base model adds whenever it has a plan. Older versions keep only the
+    first two, which are read directly."""
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        base = getattr(model.config, "base_model_tp_plan", None) or {}
+        plan = {**dict(getattr(type(model), "_tp_plan", None) or {}), **{f"{prefix}.{k}": v for k, v in base.items()}}
+    return {("model." + k[len(prefix) + 1 :] if k.startswith(prefix + ".") else k): v for k, v in plan.items()}
+
+
+# names of collective ops (functional and c10d spellings); not waits or autograd wrappers
+_COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all", "alltoall",
+                "broadcast")  # fmt: skip
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives issued while active: torch's functional ones (``_c10d_functional.all_reduce``,
+    DTensor's redistributions) and the ``c10d`` ones ``torch.distributed`` calls dispatch.
+    (torch's ``CommDebugMode`` counts the same, but its module tracker refuses an input-gradient pass run with
+    ``torch.autograd.grad``.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and any(
+            kind in func.__name__ for kind in _COLLECTIVES
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def default_store() -> Any:
@@ -314,6 +361,7 @@ def default_store() -> Any:
 __all__ = [
     "SUPPORTED_TORCH",
     "_METADATA_FILENAME",
+    "CollectiveCounter",
     "PipelineRuntime",
     "PipelineScheduleRuntime",
     "ReduceScatterOn",
@@ -331,6 +379,7 @@ __all__ = [
     "init_weights_as_model",
     "instance_attributes",
     "parameter_slots",
+    "parameters_replaced",
     "replicate",
     "runtime_is_hooked",
     "torch_version",

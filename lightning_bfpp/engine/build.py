@@ -138,7 +138,7 @@ def place(
     """
     ties = find_ties(module, named)
     check_no_collective_layers(named)
-    check_tensor_parallel(module, named, ties, tensor_parallel_mesh(placement.device_mesh), placement.parallelize)
+    check_tensor_parallel(named, tensor_parallel_mesh(placement.device_mesh), placement.parallelize)
     layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
     check_shared_modules(named, layer_stage)
     weight_passing = placement.config.schedule == "weight_passing"
@@ -246,15 +246,13 @@ def _parallelised(module: nn.Module) -> bool:
 
 
 def check_tensor_parallel(
-    module: nn.Module,
     named: Sequence[tuple[str, nn.Module]],
-    ties: Sequence[Any],
     tensor_mesh: DeviceMesh | None,
     parallelize: Callable[..., Any] | None,
 ) -> None:
-    """Refuse, before anything is placed, tensor parallelism the pipeline cannot run: tensor parallelism with
-    nothing that parallelises, and parameters shared between layers. (Parameters parallelised outside the
-    pipeline layers are refused with every other parameter outside them, by ``layers.pipeline_layers``.)"""
+    """Refuse, before anything is placed, tensor parallelism with nothing that parallelises. (Parameters
+    parallelised outside the pipeline layers are refused with every other parameter outside them, by
+    ``layers.pipeline_layers``; tied copies split differently on their stages by ``tied``, once split.)"""
     if tensor_mesh is None:
         return
     if parallelize is None and not any(_parallelised(layer) for _, layer in named):
@@ -264,12 +262,6 @@ def check_tensor_parallel(
             " module's `configure_model`, pass `parallelize_fn=` to the strategy, or define"
             " `parallelize_layer(layer, tp_mesh)` on the module (the Hugging Face adapter does, from the model's"
             " `base_model_tp_plan`)."
-        )
-    if ties:
-        raise ValueError(
-            f"BFPPStrategy: parameters shared by several layers (`{ties[0].canonical}`) are not supported with"
-            " tensor parallelism yet: each copy would need the same tensor-parallel placement on its stage."
-            " Untie them (e.g. `tie_word_embeddings=False`) or train without tensor parallelism."
         )
 
 

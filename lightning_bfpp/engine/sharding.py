@@ -60,6 +60,19 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh[TENSOR_PARALLEL] if TENSOR_PARALLEL in names else None
 
 
+def tensor_group_mesh(size: int, device: torch.device) -> DeviceMesh:
+    """This rank's tensor group (``size`` consecutive global ranks, as in every layout) as a 1-D
+    ``"tensor_parallel"`` mesh of its own, before a layout and its mesh exist, so that each group can measure
+    layers split as training will split them. A collective: every rank calls it."""
+    rank = dist.get_rank()
+    mine = None
+    for first in range(0, dist.get_world_size(), size):
+        group = dist.new_group(list(range(first, first + size)))  # every rank creates every group, in order
+        if first <= rank < first + size:
+            mine = group
+    return DeviceMesh.from_group(mine, device.type, mesh_dim_names=(TENSOR_PARALLEL,))
+
+
 def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     """The mesh this rank's stages shard over: the data-parallel dimension, or for ``hybrid_shard`` that
     dimension split into (replicate, shard) = (nodes, ranks per node), the 2-D mesh FSDP2 runs HSDP on.

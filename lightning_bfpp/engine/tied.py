@@ -21,12 +21,15 @@ copies are kept equal:
   gradient norm, and clipped by the same coefficient;
 - **stored once** (:attr:`TiedParameters.aliases`): checkpoints hold the canonical name only (see
   :mod:`lightning_bfpp.engine.checkpoint`);
-- **refused** with the reason: a module with buffers shared across stages (:func:`check_shared_modules`), and
-  copies the optimizers treat differently (:meth:`TiedParameters.check_optimizers`). A parameter shared with
+- **refused** with the reason: a module with buffers shared across stages (:func:`check_shared_modules`),
+  copies the optimizers treat differently (:meth:`TiedParameters.check_optimizers`), and copies a
+  tensor-parallel plan splits differently on different stages. A parameter shared with
   a module outside the pipeline layers is refused by :mod:`lightning_bfpp.engine.layers`. Copies cannot differ in
   shape or mesh: they are clones of one Parameter, and every stage shards over a data-parallel group of the
   same size (under ``hybrid_shard`` split alike into (replicate, shard), and the ranks of one pipeline share
-  their place in it), so a replica's copies hold the same shard, already all-reduced across nodes.
+  their place in it), so a replica's copies hold the same shard, already all-reduced across nodes. Under tensor
+  parallelism each stage splits its copy by its own plan; copies split alike (checked) hold the same rows on a
+  rank, and the tie's groups link matching tensor ranks.
 
 This module does not import Lightning.
 """
@@ -274,6 +277,7 @@ class TiedParameters:
         """
         if mesh.size() == 1:
             return
+        self._check_split_alike()
         names = mesh.mesh_dim_names
         assert names is not None
         # one row per pipeline (data-parallel replica, and tensor rank where there is one), in pipeline rank order
@@ -288,6 +292,28 @@ class TiedParameters:
                 mine, _ = dist.new_subgroups_by_enumeration(members)
                 created[group.ranks] = mine
             group.process_group = created[group.ranks]
+
+    def _check_split_alike(self) -> None:
+        """Refuse, on every rank, copies of one tie that are not split alike: a tensor-parallel plan that splits
+        the tie on one stage and not on another (or along another dimension). Copies split alike hold the same
+        rows on a rank (e.g. a vocabulary-parallel embedding and a column-wise LM head both split the vocabulary),
+        so they are kept equal shard by shard; others cannot be. One ``all_gather_object`` over the world."""
+        here = {g.canonical: {stage: _layout(p) for stage, p in g.local.items()} for g in self.groups if g.local}
+        everywhere: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everywhere, here)
+        seen: dict[str, dict[str, list[int]]] = {}
+        for rank_layouts in everywhere:
+            for canonical, per_stage in rank_layouts.items():
+                for stage, layout in per_stage.items():
+                    seen.setdefault(canonical, {}).setdefault(layout, []).append(stage)
+        for canonical, layouts in seen.items():
+            if len(layouts) > 1:
+                found = "; ".join(f"stage(s) {sorted(set(stages))}: {layout}" for layout, stages in layouts.items())
+                raise AgreedError(
+                    f"BFPPStrategy: the parameter `{canonical}` is shared by layers on several stages, which split"
+                    f" it differently ({found}). Split every layer that uses it alike (a vocabulary-parallel"
+                    " embedding and a column-wise LM head split the same rows), or untie it."
+                )
 
     @torch.no_grad()
     def broadcast_from_owner(self) -> None:
@@ -316,7 +342,7 @@ class TiedParameters:
             params = [group.local[s] for s in sorted(group.local)]
             if not params or not params[0].requires_grad:
                 continue
-            grads = [_local(p.grad) if p.grad is not None else None for p in params]
+            grads = [_local(_grad_placed_as_param(p)) if p.grad is not None else None for p in params]
             present = [g for g in grads if g is not None]
             total = torch.zeros_like(_local(params[0])) if not present else present[0].clone()
             for g in present[1:]:
@@ -369,6 +395,27 @@ def _settings(param: torch.Tensor, optimizers: Sequence[torch.optim.Optimizer]) 
                 options = {k: v for k, v in sorted(group.items()) if k != "params"}
                 return f"optimizer {index} with {options}"
     return "not optimized"
+
+
+def _layout(param: torch.Tensor) -> str:
+    """How a copy is split over its mesh, and the part this rank holds: equal for copies split alike."""
+    if isinstance(param, DTensor):
+        dims = param.device_mesh.mesh_dim_names or ()
+        placements = ", ".join(f"{d}: {p}" for d, p in zip(dims, param.placements, strict=True))
+        return f"DTensor({placements}) local {tuple(param.to_local().shape)}"
+    return f"whole {tuple(param.shape)}"
+
+
+def _grad_placed_as_param(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, split as ``param`` is: a tensor-parallel layer's gradient can come out of autograd
+    placed otherwise (torch's vocabulary-parallel embedding returns it replicated over the tensor group; FSDP2
+    re-places it when it reduces, but without data parallelism nothing does), and copies of a tie are summed
+    shard by shard."""
+    grad = param.grad
+    assert grad is not None
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 try:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
@@ -840,32 +841,84 @@ def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return mean_over_items(loss_sum, (labels != -100).sum())
 
 
-# `transformers`' tensor-parallel styles this adapter applies, as torch's parallel styles
-_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+# `transformers`' tensor-parallel styles this adapter applies, as torch's parallel styles (``transformers``
+# registers the same layouts in its ``ALL_PARALLEL_STYLES``)
+_TP_STYLES = (
+    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
+    "embedding_rowwise", "embedding_colwise", "replicated_with_grad_allreduce",
+)  # fmt: skip
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the gradient summed over a process group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class GradientsSummedOverTensorGroup(ParallelStyle):
+    """``replicated_with_grad_allreduce``: a module whole on every tensor rank that sees only the rank's share
+    of its input, as Qwen 3's per-head q/k norms see the heads of a column-wise projection. Its forward needs
+    no collective, but each rank's gradient covers only its heads: the parameters' gradients are summed over
+    the tensor group. The module's forward runs with each parameter passed through an identity whose backward
+    all-reduces (``transformers`` does the same with its ``_AllReduceBackward``); whatever holds the parameter
+    (FSDP2's unsharded copy during a step) gets the summed gradient and shards it as any other."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        group = device_mesh.get_group()
+        forward = module.forward
+
+        def summed_forward(*args: Any, **kwargs: Any) -> Any:
+            params = {name: _SumGradient.apply(p, group) for name, p in module.named_parameters(recurse=False)}
+            with _compat.parameters_replaced(module, params):
+                return forward(*args, **kwargs)
+
+        module.forward = summed_forward  # type: ignore[method-assign]
+        return module
 
 
 def _tp_style(kind: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if kind == "colwise":
-        return ColwiseParallel()
-    if kind == "rowwise":
-        return RowwiseParallel()
-    return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output: the logits whole on every rank
+    whole = Replicate()
+    return {
+        "colwise": lambda: ColwiseParallel(),  # output split by heads / units, for the row-wise layer after it
+        "rowwise": lambda: RowwiseParallel(),  # partial sums all-reduced
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=whole),  # e.g. the logits, gathered
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=whole),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=whole),  # a whole input, split here
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=whole),
+        # vocabulary-parallel: each rank looks up the ids in its rows of the table, the partial lookups are summed
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=whole, output_layouts=whole),
+        "embedding_colwise": lambda: ColwiseParallel(input_layouts=whole, output_layouts=whole),
+        "replicated_with_grad_allreduce": GradientsSummedOverTensorGroup,
+    }[kind]()
 
 
 def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int) -> dict[str, Any]:
-    """``layer``'s part of the model's tensor-parallel plan (``config.base_model_tp_plan`` and the LM class's
-    ``_tp_plan``), as ``parallelize_module`` takes it: paths inside the layer mapped to torch's parallel styles.
+    """``layer``'s part of the model's own tensor-parallel plan (``config.base_model_tp_plan`` and the LM class's
+    ``_tp_plan``, as :func:`~lightning_bfpp.engine._compat.model_tp_plan` resolves them), as
+    ``parallelize_module`` takes it: paths inside the layer mapped to torch's parallel styles.
 
     Column-wise projections (q, k, v, gate, up) split their outputs, so each tensor rank computes
     ``heads / size`` attention heads (the model's attention reshapes by ``head_dim``, not by the head count) and
     ``intermediate_size / size`` MLP units; row-wise ones (o, down) all-reduce partial sums, so a block's output
     is whole on every tensor rank and crosses to the next stage as a plain tensor. ``colwise_gather_output`` (the
-    LM head) gathers the logits. Refused, naming the entry: a style this adapter does not apply (e.g. Qwen 3's
-    ``replicated_with_grad_allreduce`` q/k norms, whose gradients would need an all-reduce over the tensor group
-    that nothing issues), a model without a plan, sizes that ``size`` does not divide.
+    LM head) gathers the logits; ``embedding_rowwise`` (the token embedding, which ``transformers`` ≥ 5 adds to
+    every plan) splits the vocabulary: each rank looks up the ids its rows hold and the lookups are summed.
+    Qwen 3's per-head q/k norms (``replicated_with_grad_allreduce``) stay whole with their gradients summed over
+    the group (:class:`GradientsSummedOverTensorGroup`). Refused, naming the entry: a style this adapter does not
+    apply (packed or expert-parallel layouts, sequence parallelism), a model without a plan, sizes that ``size``
+    does not divide.
     """
     config = module.hf_config
     plan = module._tensor_plan
@@ -946,10 +999,7 @@ class _HFPipelineModule(L.LightningModule):
         if self.lora_config is not None:
             _install_lora_resets([*layers, head], self.lora_config.init_lora_weights)
         self.hf_config = model.config
-        self._tensor_plan = {
-            **{f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()},
-            **_compat.lm_head_tp_plan(model),
-        }
+        self._tensor_plan = _compat.model_tp_plan(model)
         self.embed = layers[0]
         self.blocks = nn.ModuleList(layers[1:])
         self.head = head

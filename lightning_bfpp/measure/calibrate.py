@@ -373,6 +373,17 @@ def run_emulated(
     return run_emulated_many([(config, model)], steps, devices, processes_per_node)[0]
 
 
+def run_emulated_auto(
+    config: PlanConfig, model: EmulatedModel, steps: int, devices: int, cluster: Cluster
+) -> tuple[float, PlanConfig, float]:
+    """Train ``model`` with ``BFPPStrategy(pipeline_parallel_size="auto")`` (and ``config``'s schedule,
+    sharding, stages per rank, micro-batches and tensor size) on ``cluster``, in a job of its own: the median
+    step time (s), the layout the planner chose, and the step it predicted for it (s)."""
+    job = _emulated_job([(config, model)], steps, devices, None, auto_cluster=asdict(cluster))
+    run = job[0]
+    return float(run["step_time"]), PlanConfig(**run["chosen"]), float(run["predicted_step_time"])
+
+
 def run_emulated_many(
     runs: Sequence[tuple[PlanConfig, EmulatedModel]],
     steps: int,
@@ -382,6 +393,16 @@ def run_emulated_many(
     """Train each ``(config, model)`` of ``runs`` with ``BFPPStrategy``, one after the other in the same
     ``devices`` processes (one start-up for all: a start costs more than a few steps on a few cores); the median
     step time (s) of each."""
+    return [float(run["step_time"]) for run in _emulated_job(runs, steps, devices, processes_per_node)]
+
+
+def _emulated_job(
+    runs: Sequence[tuple[PlanConfig, EmulatedModel]],
+    steps: int,
+    devices: int,
+    processes_per_node: int | None,
+    auto_cluster: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     # one intra-op thread per process, as torchrun sets: with the default (every core per process) a host-side
     # op on an activation (the emulated layer's add, a loss) spins all processes' threads against each other
@@ -394,13 +415,14 @@ def run_emulated_many(
             "steps": steps,
             "devices": devices,
             "processes_per_node": processes_per_node,
+            "auto_cluster": auto_cluster,
         }
         cmd = [sys.executable, "-m", "lightning_bfpp.measure.calibrate", json.dumps(job), str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             described = "; ".join(config.describe() for config, _ in runs)
             raise RuntimeError(f"the emulated runs ({described}) failed:\n{proc.stderr[-3000:]}")
-        return [float(run["step_time"]) for run in json.loads(out.read_text())]
+        return list(json.loads(out.read_text()))
 
 
 def _train_emulated(job: dict[str, Any], out: Path) -> None:
@@ -428,8 +450,10 @@ def _train_one(config: PlanConfig, model: EmulatedModel, job: dict[str, Any]) ->
             starts.append(time.perf_counter())
 
     weight_passing = config.schedule == "weight_passing"  # sets the layout itself: one chunk per rank
+    auto = job.get("auto_cluster")
     strategy = BFPPStrategy(
-        pipeline_parallel_size=None if weight_passing else config.pipeline_parallel_size,
+        pipeline_parallel_size="auto" if auto else None if weight_passing else config.pipeline_parallel_size,
+        cluster=Cluster(**auto) if auto else None,
         stages_per_rank="auto" if weight_passing else config.stages_per_rank,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule,
@@ -444,11 +468,17 @@ def _train_one(config: PlanConfig, model: EmulatedModel, job: dict[str, Any]) ->
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     # every replica gets `steps` full batches (the sampler splits the data set over the replicas)
-    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps * config.data_parallel_size))
+    replicas = job["devices"] // config.tensor_parallel_size if auto else config.data_parallel_size
+    trainer.fit(EmulatedNet(model), emulated_loader(model, config.num_microbatches, steps * replicas))
     if trainer.global_rank != 0:
         return None
     durations = [b - a for a, b in itertools.pairwise(starts)][1:]
-    return {"step_time": statistics.median(durations), "steps": durations}
+    result: dict[str, Any] = {"step_time": statistics.median(durations), "steps": durations}
+    if auto:
+        assert strategy.planned is not None and strategy.planned.prediction is not None
+        result["chosen"] = asdict(strategy.planned.config)
+        result["predicted_step_time"] = strategy.planned.prediction.step_time
+    return result
 
 
 if __name__ == "__main__":

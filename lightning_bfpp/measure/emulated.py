@@ -152,9 +152,15 @@ class EmulatedLayer(nn.Module):
     (:func:`split_sleep`); without it, one node sleeps ``backward_ms`` for the whole backward."""
 
     def __init__(
-        self, forward_ms: float, backward_ms: float, param_numel: int, weight_grad_ms: float | None = None
+        self,
+        forward_ms: float,
+        backward_ms: float,
+        param_numel: int,
+        weight_grad_ms: float | None = None,
+        per_sample: bool = False,
     ) -> None:
         super().__init__()
+        self.per_sample = per_sample
         self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
         self.weight_grad_s = None if weight_grad_ms is None else weight_grad_ms / 1e3
         self.weight = nn.Parameter(torch.zeros(param_numel))
@@ -177,16 +183,19 @@ class EmulatedLayer(nn.Module):
         if self.tensor_group is not None:
             x = _EnterTensorGroup.apply(x, self.tensor_group)
             weight = weight.to_local() if isinstance(weight, DTensor) else weight
+        k = x.shape[0] if self.per_sample else 1  # samples in this micro-batch
         if self.weight_grad_s is None:
-            y = _Sleep.apply(x, weight, self.forward_s, self.backward_s)
+            y = _Sleep.apply(x, weight, k * self.forward_s, k * self.backward_s)
         else:
-            y = split_sleep(x, weight, self.forward_s, self.backward_s, self.weight_grad_s)
+            y = split_sleep(x, weight, k * self.forward_s, k * self.backward_s, k * self.weight_grad_s)
         return y if self.tensor_group is None else _LeaveTensorGroup.apply(y, self.tensor_group)
 
 
 @dataclass(frozen=True)
 class EmulatedModel:
-    """A model of ``layers`` identical emulated layers; times are per micro-batch.
+    """A model of ``layers`` identical emulated layers; times are per micro-batch, or with ``per_sample`` per
+    sample (a micro-batch of ``k`` samples sleeps ``k`` times as long, as a real layer's compute grows: what a
+    planner that chooses micro-batch sizes from one measured batch assumes).
 
     ``weight_grad_ms`` set splits each layer's backward: ``backward_ms`` is then the input-gradient time only.
     """
@@ -197,6 +206,7 @@ class EmulatedModel:
     param_numel: int = 250_000
     activation_numel: int = 4096
     weight_grad_ms: float | None = None
+    per_sample: bool = False
 
     @property
     def param_bytes(self) -> int:
@@ -212,7 +222,7 @@ class EmulatedNet(L.LightningModule):
         super().__init__()
         self.spec = spec
         self.layers = nn.ModuleList(
-            EmulatedLayer(spec.forward_ms, spec.backward_ms, spec.param_numel, spec.weight_grad_ms)
+            EmulatedLayer(spec.forward_ms, spec.backward_ms, spec.param_numel, spec.weight_grad_ms, spec.per_sample)
             for _ in range(spec.layers)
         )
 

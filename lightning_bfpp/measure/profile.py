@@ -10,25 +10,56 @@ schedules run as their own ``W`` action (``LayerCost.backward_weight_s``). A lay
 gradient (the first, on token ids) has only a weight pass. The whole model runs on
 one device, layer by layer, so it must fit there; for models that do not, describe the layers instead
 (``lightning_bfpp.plan.costs``).
+
+With ``parallelize`` (tensor parallelism), every process of a tensor group measures together: each layer is
+copied and split over the group by the module's own parallelisation before it runs, so its times are one rank's
+share of the compute, whatever the plan leaves whole, and its bytes one rank's shares. The group's collectives
+are counted in the first run and their time, measured on the group back to back, is
+taken out: the planner charges them as a step pays them (``Cluster.tensor_collective_overhead_s``: each also
+waits for the other member, which a profile's lockstep hides), and ``LayerCost.measured_split`` marks the layer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.adapter.user_step import capture_model_input
-from lightning_bfpp.engine._compat import tree_flatten
+from lightning_bfpp.engine._compat import CollectiveCounter, tree_flatten
 from lightning_bfpp.engine.layers import pipeline_layers
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a tensor-parallel tensor (what it stores); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _collective_s(mesh: DeviceMesh, like: list[torch.Tensor], repeats: int) -> float:
+    """The median time of one all-reduce of ``like``'s bytes over ``mesh``'s group, back to back."""
+    buffer = torch.zeros(max(sum(t.numel() * t.element_size() for t in like) // 4, 1), device=like[0].device)
+    group = mesh.get_group()
+    times = []
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        torch.distributed.all_reduce(buffer, group=group)
+        if attempt:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _sync(device: torch.device) -> None:
@@ -43,8 +74,15 @@ def profile_module(
     microbatch_size: int | None = None,
     repeats: int = 5,
     name: str | None = None,
+    parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
+    tensor_mesh: DeviceMesh | None = None,
 ) -> ModelProfile:
-    """Per-layer costs of ``module`` for one micro-batch, ``batch`` (already on the module's device)."""
+    """Per-layer costs of ``module`` for one micro-batch, ``batch`` (already on the module's device).
+
+    ``parallelize(layer, tensor_mesh)``: split a copy of each layer over this process's tensor group before
+    measuring it (called by every member of the group, on the same batch); the module itself is left as it is."""
+    if (parallelize is None) != (tensor_mesh is None):
+        raise ValueError("profile_module: give both `parallelize` and `tensor_mesh`, or neither")
     layers = pipeline_layers(module)
     args, kwargs = capture_model_input(module, module.training_step, "training_step", batch, 0)
     sizes = {t.shape[0] for t in _tensors(args) if t.dim() > 0}
@@ -53,7 +91,11 @@ def profile_module(
     inputs: tuple[Any, ...] = args
     first = True
     for _, layer in layers:
-        param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        if parallelize is not None:
+            layer = copy.deepcopy(layer)
+            layer = parallelize(layer, tensor_mesh) or layer
+        counted: list[CollectiveCounter] = []  # the first run's collectives: forward, then backward
+        param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
         forward_times, backward_times, input_grad_times = [], [], []
         saved_bytes = 0
         output: Any = None
@@ -68,14 +110,15 @@ def profile_module(
             def pack(
                 t: torch.Tensor, storages: dict[int, int] = storages, skip: set[int] = param_storages
             ) -> torch.Tensor:
-                storage = t.untyped_storage()
+                storage = _local(t).untyped_storage()
                 if storage.data_ptr() not in skip:
                     storages[storage.data_ptr()] = storage.nbytes()
                 return t
 
             _sync(device)
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            count = CollectiveCounter() if attempt == 0 and tensor_mesh is not None else contextlib.nullcontext()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:
                 # later layers get activations as StageModule passes them: one tensor, or a tuple as one argument
                 activation = leaves[0] if len(leaves) == 1 else tuple(leaves)
                 output = layer(*leaves, **kwargs) if first else layer(activation)
@@ -88,25 +131,40 @@ def profile_module(
                 torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
             _sync(device)
             input_done = time.perf_counter()
+            count_backward = CollectiveCounter() if isinstance(count, CollectiveCounter) else contextlib.nullcontext()
             if outs:
-                torch.autograd.backward(outs, grads)
+                with count_backward:
+                    torch.autograd.backward(outs, grads)
             _sync(device)
             end = time.perf_counter()
+            if isinstance(count, CollectiveCounter):
+                counted += [count, count_backward]  # type: ignore[list-item]
             if attempt:  # the first run warms up
                 forward_times.append(middle - start)
                 input_grad_times.append(input_done - middle)
                 backward_times.append(end - input_done)
                 saved_bytes = sum(storages.values())
         layer.zero_grad(set_to_none=True)
-        backward_s = statistics.median(backward_times)
+        forward_s, backward_s = statistics.median(forward_times), statistics.median(backward_times)
+        input_grad_s = statistics.median(input_grad_times)
+        split = {}
+        if tensor_mesh is not None:
+            n_forward, n_backward = (c.count for c in counted)
+            each = _collective_s(tensor_mesh, _tensors(output), repeats) if n_forward or n_backward else 0.0
+            forward_s = max(forward_s - n_forward * each, 0.0)
+            # the input gradient's all-reduces run in the input-gradient pass and again in the whole backward
+            input_grad_s = max(input_grad_s - n_backward * each, 0.0)
+            backward_s = max(backward_s - n_backward * each, 0.0)
+            split = {"tensor_parallel_all_reduces": n_forward, "measured_split": tensor_mesh.size()}
         costs.append(
             LayerCost(
-                forward_s=statistics.median(forward_times),
+                forward_s=forward_s,
                 backward_s=backward_s,
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                param_bytes=sum(_local(p).numel() * p.element_size() for p in layer.parameters()),
                 output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
                 saved_bytes=saved_bytes,
-                backward_weight_s=max(backward_s - statistics.median(input_grad_times), 0.0),
+                backward_weight_s=max(backward_s - input_grad_s, 0.0),
+                **split,
             )
         )
         outputs = _tensors(output)

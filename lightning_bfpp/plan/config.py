@@ -220,13 +220,6 @@ class PipelineConfig:
                 " tensor ranks of two groups. Use schedule='breadth_first' with tensor parallelism, or"
                 " weight passing without it."
             )
-        if self.pipeline_parallel_size == "auto":
-            raise ValueError(
-                f"BFPPStrategy: pipeline_parallel_size='auto' with tensor_parallel_size={t}: 'auto' measures the"
-                " layers whole on one process, before they are split, so it cannot see what the split costs."
-                " Give pipeline_parallel_size, and ask the planner for the layout:"
-                " `python -m lightning_bfpp.plan ... --tensor-parallel-sizes 1,2,4`."
-            )
         if self.sharding == "hybrid_shard":
             raise ValueError(
                 f"BFPPStrategy: sharding='hybrid_shard' with tensor_parallel_size={t} is not supported yet; use"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -31,6 +31,9 @@ class LayerCost:
     costs per forward (as many again in its backward: Megatron's attention and MLP, 2 per block); 0: the layer
     is not split, every tensor rank computes it whole. ``tensor_parallel_saved_bytes``: the part of its
     activations that a split shards over the tensor group (the rest, norms' and residuals' inputs, stays whole).
+    ``measured_split``: ``t > 1`` if the layer was measured already split over a tensor group of ``t``
+    (:mod:`lightning_bfpp.measure.profile` with ``parallelize``): its times, bytes and activations are one
+    rank's share, its times without the all-reduces, which are still charged as the cluster prices them.
     """
 
     forward_s: float
@@ -42,6 +45,7 @@ class LayerCost:
     backward_weight_s: float | None = None
     tensor_parallel_all_reduces: int = 0
     tensor_parallel_saved_bytes: int = 0
+    measured_split: int = 1
 
     @property
     def full_activation_bytes(self) -> int:
@@ -68,13 +72,26 @@ class LayerCost:
             None if self.backward_weight_s is None else self.backward_weight_s * factor,
             self.tensor_parallel_all_reduces,
             int(self.tensor_parallel_saved_bytes * factor),
+            self.measured_split,
         )
 
     def split_over_tensor_group(self, size: int, all_reduce_s: Callable[[int], float]) -> LayerCost:
         """What one rank of a tensor group of ``size`` pays for this layer: ``1/size`` of its compute and
         weights, the all-reduces of its output (``all_reduce_s(nbytes)``, in the forward and in the input
         gradient), and its activations less the sharded part's ``(size − 1)/size``. A layer that is not split
-        costs every rank as much as before."""
+        costs every rank as much as before. A layer measured split (``measured_split``) only gains its
+        all-reduces, and only at the size it was measured at."""
+        if self.measured_split > 1:
+            if size != self.measured_split:
+                raise ValueError(
+                    f"a layer measured split over {self.measured_split} tensor ranks cannot be planned at"
+                    f" tensor_parallel_size={size}; measure the model at that size"
+                )
+            comm = self.tensor_parallel_all_reduces * all_reduce_s(self.output_bytes)
+            return replace(
+                self, forward_s=self.forward_s + comm, backward_s=self.backward_s + comm, measured_split=1,
+                backward_weight_s=self.weight_grad_s, tensor_parallel_all_reduces=0,
+            )  # fmt: skip
         if size == 1 or self.tensor_parallel_all_reduces == 0:
             return self
         comm = self.tensor_parallel_all_reduces * all_reduce_s(self.output_bytes)

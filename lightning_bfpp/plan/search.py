@@ -195,12 +195,16 @@ def search_per_replica_batch(
     so the global batch grows with the data-parallel size; ranked by throughput (samples per second)."""
     space = space or SearchSpace()
     candidates: list[Candidate] = []
-    for p in space.pipeline_sizes or _divisors(cluster.num_devices):
-        if cluster.num_devices % p:
+    for t in space.tensor_parallel_sizes:
+        if cluster.num_devices % t:
             continue
-        dp = cluster.num_devices // p
-        sub = SearchSpace(**{**space.__dict__, "pipeline_sizes": (p,)})
-        candidates += search(profile, cluster, per_replica_batch * dp, sub)
+        groups = cluster.num_devices // t  # the ranks of a tensor group load the same batch: a replica's
+        for p in space.pipeline_sizes or _divisors(groups):
+            if groups % p:
+                continue
+            dp = groups // p
+            sub = SearchSpace(**{**space.__dict__, "pipeline_sizes": (p,), "tensor_parallel_sizes": (t,)})
+            candidates += search(profile, cluster, per_replica_batch * dp, sub)
     return sorted(
         candidates,
         key=lambda c: (c.infeasible is not None, -c.prediction.throughput if c.prediction else 0.0),

@@ -110,6 +110,9 @@ class Prediction:
     spans: list[Span] = field(default_factory=list, repr=False)
     # bytes per step by kind (e.g. weight passing's cross-node total); empty where not broken down
     traffic: dict[str, float] = field(default_factory=dict, repr=False)
+    # per pipeline rank, the (time, ± bytes) changes behind its peak beyond the static state: activations kept
+    # and freed, weights gathered and gradient buffers; empty where not simulated action by action
+    memory_events: list[list[tuple[float, int]]] = field(default_factory=list, repr=False)
 
     @property
     def throughput(self) -> float:
@@ -153,9 +156,10 @@ def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Pre
     )
     layers = profile.at_microbatch_size(config.microbatch_size)
     t = config.tensor_parallel_size
-    if t > 1:  # each tensor group acts as one device of the layout; each of its ranks pays its share
-        layers = [layer.split_over_tensor_group(t, lambda n: tensor_all_reduce_s(cluster, t, n)) for layer in layers]
-        cluster = tensor_groups_as_devices(cluster, t)
+    # each tensor group acts as one device of the layout; each of its ranks pays its share (at t=1 this only
+    # refuses layers measured split)
+    layers = [layer.split_over_tensor_group(t, lambda n: tensor_all_reduce_s(cluster, t, n)) for layer in layers]
+    cluster = tensor_groups_as_devices(cluster, t)
     counts = config.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
     compute = generate(config.schedule, p, v, m, config.microbatch_group_size)
@@ -329,4 +333,7 @@ def _run(
             peak = max(peak, current)
         peaks.append(int(static + peak))
     bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
-    return Prediction(config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans)
+    return Prediction(
+        config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans,
+        memory_events=[sorted(r.memory) for r in ranks],
+    )  # fmt: skip

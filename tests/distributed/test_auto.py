@@ -6,7 +6,12 @@ import dataclasses
 
 import pytest
 
-from tests.distributed.harness import assert_params_match, assert_steps_match, launch
+from tests.distributed.harness import (
+    assert_params_match,
+    assert_steps_match,
+    assert_trained_as_on_one_device,
+    launch,
+)
 from tests.models import RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -25,13 +30,23 @@ DECIDED = (
 )
 
 
-def test_strategy_runs_the_planners_first_layout_and_training_matches_one_device(tmp_path):
-    run = RunSpec(name="auto", strategy={"pipeline_parallel_size": "auto"}, model={"optimizer": "sgd"},
-                  local_batch_size=8, trainer={"max_steps": 4}, checks=["planner_ranking"])  # fmt: skip
-    result = launch([run], 4, tmp_path, timeout=500)["auto"]
+PLAIN = RunSpec(name="auto", strategy={"pipeline_parallel_size": "auto"}, model={"optimizer": "sgd"},
+               local_batch_size=8, trainer={"max_steps": 4}, checks=["planner_ranking"])  # fmt: skip
+# the suite's PipeNet with its blocks' MLPs split over tensor groups of 2 by its `parallelize_layer`
+TENSOR = RunSpec(name="auto_tp", strategy={"pipeline_parallel_size": "auto", "tensor_parallel_size": 2},
+                 model={"optimizer": "sgd", "tp": "layer"}, model_factory="tests.tp_models:make", local_batch_size=8,
+                 trainer={"max_steps": 4}, checks=["planner_ranking"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch([PLAIN, TENSOR], 4, tmp_path_factory.mktemp("auto"), timeout=500)
+
+
+def _ran_the_first_ranked(result) -> dict:
+    """Every rank ran the layout the planner (on global rank 0 only) ranked first; returns it."""
     layouts = [r["holdings"]["layout"] for r in result.ranks]
     assert all(layout == layouts[0] for layout in layouts)  # decided once, broadcast
-    # the planner ran on global rank 0 only; every rank ran its first-ranked layout
     ranked = result.ranks[0]["planner_ranking"]["ranked"]
     assert len(ranked) > 1, "a single feasible layout leaves nothing to rank"
     assert all(not r["planner_ranking"]["ranked"] for r in result.ranks[1:])
@@ -41,7 +56,43 @@ def test_strategy_runs_the_planners_first_layout_and_training_matches_one_device
     for rank, rank_result in enumerate(result.ranks):
         ran = {key: rank_result["planner_ranking"]["ran"][key] for key in DECIDED}
         assert ran == best, f"rank {rank} ran {ran}, the planner ranked first {best}"
+    return best
+
+
+def test_strategy_runs_the_planners_first_layout_and_training_matches_one_device(results):
+    result = results["auto"]
+    best = _ran_the_first_ranked(result)
     # and the training is the one-device training of the same global batch
-    ref = reference_run(dataclasses.replace(run, data_parallel_size=best["data_parallel_size"]))
+    ref = reference_run(dataclasses.replace(PLAIN, data_parallel_size=best["data_parallel_size"]))
     assert_steps_match(result, ref, tol=1e-5)
     assert_params_match(result, ref, tol=1e-5)
+
+
+def test_with_tensor_parallelism_it_measures_the_layers_split_and_trains_as_one_device(results):
+    """Every tensor group measures each layer split by the module's own ``parallelize_layer``: the planner
+    sees one tensor rank's share (each block's MLP weights halved; the embedding, norms and head whole) and
+    each block's one all-reduce (its row-wise ``down``), and plans tensor groups of 2; the layout it ranks
+    first runs, equal to one device."""
+    from lightning_bfpp.engine.layers import pipeline_layers
+    from tests.models import Block, make_model
+
+    result = results["auto_tp"]
+    best = _ran_the_first_ranked(result)
+    assert {c["tensor_parallel_size"] for c in result.ranks[0]["planner_ranking"]["ranked"]} == {2}
+    assert [r["holdings"]["tensor_rank"] for r in result.ranks] == [0, 1, 0, 1]
+    whole, share, all_reduces = [], [], []
+    for _, layer in pipeline_layers(make_model(TENSOR)):
+        whole.append(sum(p.numel() * 4 for p in layer.parameters()))
+        all_reduces.append(int(isinstance(layer, Block)))  # down's partial sums; nothing elsewhere
+        # up's rows and down's columns are split; down's bias is added once, after the all-reduce: whole
+        split = sum(p.numel() * 4 for n, p in layer.named_parameters() if n in ("up.weight", "up.bias", "down.weight"))
+        share.append(whole[-1] - split // 2)
+    assert share != whole
+    profile = result.ranks[0]["planner_ranking"]["profile"]
+    assert [layer["param_bytes"] for layer in profile] == share
+    # the collectives counted per layer, and every layer marked as one rank's share of a split over 2
+    assert [layer["tensor_parallel_all_reduces"] for layer in profile] == all_reduces
+    assert {layer["measured_split"] for layer in profile} == {2}
+    assert_trained_as_on_one_device(
+        result, dataclasses.replace(TENSOR, data_parallel_size=best["data_parallel_size"]), tol=1e-5
+    )

@@ -12,10 +12,15 @@ process: losses at every step on every rank and every final weight within 1e-5.
 - 8 processes, p=2 t=2 dp=2;
 - the GPT of ``examples/train_gpt.py`` (the benchmark suite's), attention split by heads through its fused
   ``qkv``, at p=2 t=2 and p=2 t=2 dp=2;
-- a Hugging Face Llama parallelised by its own ``base_model_tp_plan`` (q/k/v, gate and up column-wise, o and down
-  row-wise, the LM head column-wise with its logits gathered), at p=2 t=2 and p=2 t=2 dp=2;
+- a Hugging Face Llama parallelised by its own plan (``model.tp_plan``: q/k/v, gate and up column-wise, o and down
+  row-wise, the token embedding vocabulary-parallel, the LM head column-wise with its logits gathered), with
+  padding on the embedding's ``padding_idx``, at p=2 t=2 and p=2 t=2 dp=2; a Qwen 3 (per-head q/k norms whole,
+  their gradients summed over the tensor group) at p=2 t=2;
+- parameters tied across pipeline ranks and split alike on both stages (``PipeNet``'s first and last blocks'
+  ``up``; a Llama's tied input and output embeddings, both split by vocabulary rows), equal to one device;
 - refused, on every rank with the reason: a ``configure_model`` that parallelises a module outside
-  ``pipeline_layers()``.
+  ``pipeline_layers()``; a tie split on one stage and whole on the other; a tie that ``configure_model``
+  splits apart (each user parallelised on its own gets its own copy).
 """
 
 from __future__ import annotations
@@ -76,19 +81,25 @@ FOUR = [
     epochs_run("resume_t1_p2_dp2", {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}, 2, 2,
                resume_from="tp_half/end.ckpt"),
     tp_run("tp_outside", tp="outside", expect_error=True),
+    # the first and last blocks' `up` weights tied across pipeline ranks, split alike on both stages
+    tp_run("tp_tied", model={"tie_blocks": True}),
+    tp_run("tp_tied_split_unalike", tp="not_last", model={"tie_blocks": True}, expect_error=True),
+    # `configure_model` splits each user of the tie on its own: untied, refused
+    tp_run("tp_tied_configure_model", tp="configure_model", model={"tie_blocks": True}, expect_error=True),
 ]  # fmt: skip
 
 
-def hf_run(name: str, dp: int = 1) -> RunSpec:
-    """A tiny Llama (grouped-query attention, 3 blocks) with the model's own `base_model_tp_plan`."""
+def hf_run(name: str, dp: int = 1, family: str = "llama", tie: bool = False, **kwargs) -> RunSpec:
+    """A tiny Llama (grouped-query attention, 3 blocks), or another family, with the model's own plan."""
     return RunSpec(
         name=name,
         strategy=dict(P2_T2),
-        model={"family": "llama", "layers": 3, "optimizer": "sgd"},
+        model={"family": family, "layers": 3, "optimizer": "sgd", "tie": tie},
         model_factory="tests.hf_models:hf_module",
         loader_factory="tests.hf_models:hf_loader",
         local_batch_size=8,
         data_parallel_size=dp,
+        **kwargs,
     )
 
 
@@ -105,10 +116,17 @@ def gpt_run(name: str, dp: int = 1) -> RunSpec:
     )
 
 
-FOUR += [hf_run("hf_llama_p2_t2"), gpt_run("gpt_p2_t2")]
+HF = [
+    hf_run("hf_llama_p2_t2"),
+    hf_run("hf_qwen3_p2_t2", family="qwen3"),
+    # input and output embeddings tied across pipeline ranks, both split by vocabulary rows (the embedding's
+    # gradient comes out of torch replicated over the tensor group), clipped by the whole model's norm
+    hf_run("hf_llama_tied_p2_t2", tie=True, trainer={"gradient_clip_val": 0.3}),
+]
+FOUR += [*HF, gpt_run("gpt_p2_t2")]
 EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2), gpt_run("gpt_p2_t2_dp2", dp=2)]
-EQUAL = [*FOUR[:3], EIGHT[0]]
-HF = [FOUR[-2], EIGHT[1]]
+EQUAL = [*FOUR[:3], FOUR[7], EIGHT[0]]
+HF += [EIGHT[1]]
 GPT = [FOUR[-1], EIGHT[2]]
 
 
@@ -131,7 +149,9 @@ def test_a_hugging_face_llama_trains_with_its_own_plan_as_on_one_device(run, res
     projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     projections += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     want = {f"blocks.{b}.layer.{proj}.weight" for b in range(3) for proj in projections} | {"head.lm_head.weight"}
-    assert split == want
+    # the model's plan (`model.tp_plan`) makes the token embedding vocabulary-parallel too; Qwen 3's per-head
+    # q/k norms stay whole, their gradients summed over the tensor group (`replicated_with_grad_allreduce`)
+    assert split == want | {"embed.embed_tokens.weight"}
 
 
 @pytest.mark.parametrize("run", EQUAL, ids=lambda r: r.name)
@@ -186,6 +206,19 @@ def test_a_tensor_parallel_checkpoint_resumes_without_tensor_parallelism(name, r
     assert straight.optimizer_state
     assert max(relative_error(resumed.optimizer_state[k], straight.optimizer_state[k])
                for k in straight.optimizer_state) < TOL  # fmt: skip
+
+
+def test_a_tie_split_differently_on_its_stages_is_refused(results):
+    errors = [r["error"] for r in results["tp_tied_split_unalike"].ranks]
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert "the parameter `blocks.0.up.weight` is shared by layers on several stages, which split it" in errors[0]
+    assert "Split every layer that uses it alike" in errors[0]
+
+
+def test_a_tie_that_configure_model_splits_apart_is_refused(results):
+    errors = [r["error"] for r in results["tp_tied_configure_model"].ranks]
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert "`blocks.0.up.weight`, `blocks.7.up.weight` were one tied Parameter before `configure_model`" in errors[0]
 
 
 def test_parallelising_outside_the_pipeline_layers_is_refused(results):

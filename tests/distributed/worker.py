@@ -431,6 +431,7 @@ class AnnounceExceptions(L.Callback):
 
 
 _PLANNER_RANKING: list[dict[str, Any]] = []
+_PLANNER_PROFILE: list[dict[str, Any]] = []  # the layers the planner was given, as measured
 
 
 def _record_planner_ranking() -> list[dict[str, Any]]:
@@ -444,6 +445,7 @@ def _record_planner_ranking() -> list[dict[str, Any]]:
 
         def recorded(profile: Any, *args: Any, **kwargs: Any) -> Any:
             candidates = search(profile, *args, **kwargs)
+            _PLANNER_PROFILE[:] = [dataclasses.asdict(layer) for layer in profile.layers]
             weights = [layer.param_bytes for layer in profile.layers]
             _PLANNER_RANKING[:] = [
                 {
@@ -461,6 +463,7 @@ def _record_planner_ranking() -> list[dict[str, Any]]:
         recorded.recording = True  # type: ignore[attr-defined]
         auto.search_per_replica_batch = recorded
     _PLANNER_RANKING.clear()
+    _PLANNER_PROFILE.clear()
     return _PLANNER_RANKING
 
 
@@ -541,7 +544,11 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     if "warnings" in run.checks:
         extras["warnings"] = sorted({str(w.message) for w in caught})
     if ranking is not None:
-        extras["planner_ranking"] = {"ranked": list(ranking), "ran": _layout_run(trainer.strategy)}
+        extras["planner_ranking"] = {
+            "ranked": list(ranking),
+            "ran": _layout_run(trainer.strategy),
+            "profile": list(_PLANNER_PROFILE),
+        }
     if "predict" in extras:
         torch.save(extras.pop("predict"), out / f"predictions_rank{rank}.pt")
     result = {

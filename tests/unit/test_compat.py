@@ -528,3 +528,19 @@ def test_the_private_name_check_finds_each_kind_of_use(tmp_path):
         "module._parameters",
         "config._attn_implementation",
     ]
+
+
+def test_the_collective_counter_counts_collectives_and_nothing_else(one_process):
+    """``CollectiveCounter`` (a ``TorchDispatchMode``): the profile counts each layer's tensor-parallel
+    collectives with it; torch's functional collectives also dispatch waits and autograd wrappers."""
+    from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+
+    from lightning_bfpp.engine._compat import CollectiveCounter
+
+    x = torch.ones(3, requires_grad=True)
+    with CollectiveCounter() as counter:
+        y = (x * 2).detach()
+        dist.all_reduce(y)  # c10d
+        z = functional_all_reduce(y, "sum", one_process) + 1  # functional, then its wait
+        dist.broadcast(z, src=0)
+    assert counter.count == 3

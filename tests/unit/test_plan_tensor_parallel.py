@@ -81,3 +81,37 @@ def test_a_tensor_all_reduce_pays_its_own_measured_fixed_cost():
     in_step = replace(quiet, tensor_collective_overhead_s=3e-3)
     assert tensor_all_reduce_s(in_step, 2, 4096) - tensor_all_reduce_s(quiet, 2, 4096) == pytest.approx(2e-3)
     assert tensor_all_reduce_s(in_step, 1, 4096) == 0.0
+
+
+def test_a_layer_measured_split_only_gains_its_all_reduces_and_only_at_its_size():
+    """ "auto" with tensor parallelism measures each layer split (one rank's share, collectives taken out):
+    the planner adds the all-reduces as the cluster prices them and divides nothing again."""
+    share = replace(MODEL.layers[1].split_over_tensor_group(4, lambda n: 0.0), tensor_parallel_all_reduces=2,
+                    measured_split=4)  # fmt: skip
+    all_reduce = tensor_all_reduce_s(CLUSTER, 4, share.output_bytes)
+    planned = share.split_over_tensor_group(4, lambda n: tensor_all_reduce_s(CLUSTER, 4, n))
+    assert planned.forward_s == pytest.approx(share.forward_s + 2 * all_reduce)
+    assert planned.backward_s == pytest.approx(share.backward_s + 2 * all_reduce)
+    assert planned.weight_grad_s == share.weight_grad_s  # the weight gradient waits for no other rank
+    assert (planned.param_bytes, planned.saved_bytes) == (share.param_bytes, share.saved_bytes)
+    for size in (1, 2):
+        match = f"measured split over 4 tensor ranks cannot be planned at tensor_parallel_size={size}"
+        with pytest.raises(ValueError, match=match):
+            simulate(PlanConfig("breadth_first", 2, 2, 1, 4, 1, tensor_parallel_size=size),
+                     replace(MODEL, layers=(share,) * 4), replace(CLUSTER, num_devices=4 * size))  # fmt: skip
+
+
+def test_with_a_per_replica_batch_a_tensor_group_loads_one_replicas_batch():
+    """Lightning's batch size is per process; the ranks of a tensor group load the same batch, so the global
+    batch is the per-replica batch times the data-parallel size, not times the processes."""
+    from lightning_bfpp.plan.search import search_per_replica_batch
+
+    space = SearchSpace(schedules=("breadth_first",), shardings=("full_shard",), stages_per_rank=(1,),
+                        tensor_parallel_sizes=(2,))  # fmt: skip
+    candidates = search_per_replica_batch(MODEL, replace(CLUSTER, num_devices=8), 4, space)
+    assert candidates
+    for c in candidates:
+        cfg = c.config
+        assert cfg.tensor_parallel_size == 2
+        assert cfg.pipeline_parallel_size * cfg.data_parallel_size * 2 == 8
+        assert cfg.num_microbatches * cfg.microbatch_size == 4

@@ -325,6 +325,24 @@ def test_validator_makes_i_wait_for_the_next_stage_and_w_for_its_own_i_only():
         validate(parse_schedule({0: ["0F0", "0I0"]}), 1, 1, 1, backward=False)
 
 
+def test_the_planner_frees_a_micro_batchs_activations_at_its_w_not_at_its_i():
+    """A ``W`` needs the layer's input: each (stage, micro-batch)'s activations are freed when its ``W`` ends,
+    never when its ``I`` does, and some ``W`` comes strictly after its ``I`` (so freeing at the ``I`` would
+    show here)."""
+    profile = uniform(8, 1.0, 2.0, 1, 1, 100, optimizer_state_ratio=0.0)  # 1 layer per stage: 100 bytes kept
+    prediction = simulate(PlanConfig("breadth_first_zb", 4, 1, 2, 4, 1), profile, Cluster(4, 4, 2**40, 1e12, 1e12))
+    later = 0
+    for rank, events in enumerate(prediction.memory_events):
+        backward: dict[tuple[int, int], list[float]] = {}
+        for span in prediction.spans:
+            if span.rank == rank and span.kind == "backward":
+                backward.setdefault((span.stage, span.microbatch), []).append(span.end)
+        freed = sorted(t for t, delta in events if delta == -100)
+        assert freed == sorted(ends[-1] for ends in backward.values()), rank  # at every W's end, and only there
+        later += sum(ends[0] < ends[-1] for (stage, _), ends in backward.items() if stage > 0)
+    assert later > 0
+
+
 def test_the_planners_peak_memory_for_the_split_schedule_is_never_below_breadth_firsts():
     """A ``W`` needs the layer's input, so the planner keeps each micro-batch's activations until its ``W``, not
     its ``I``. With the sweeps every forward of a rank still precedes its first ``I``, so the peak (at the end of

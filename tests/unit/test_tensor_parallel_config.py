@@ -31,7 +31,6 @@ def test_the_tensor_group_is_innermost_and_the_sizes_count_groups():
         ({"tensor_parallel_size": 3}, 6, 2, "must divide the processes of a node"),
         ({"tensor_parallel_size": 2, "pipeline_parallel_size": 4}, 4, 4, "must divide the world size"),
         ({"tensor_parallel_size": 2, "schedule": "weight_passing"}, 4, 4, "weight_passing' with tensor_parallel"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": "auto"}, 4, 4, "cannot see what the split costs"),
         ({"tensor_parallel_size": 2, "sharding": "hybrid_shard"}, 8, 4, "hybrid_shard' with tensor_parallel"),
     ],
 )
@@ -40,28 +39,40 @@ def test_what_tensor_parallelism_does_not_combine_with_is_refused(kwargs, world,
         PipelineConfig(**kwargs).resolve_mesh(world, per_node)
 
 
+def test_auto_with_tensor_parallelism_needs_the_split_per_layer():
+    """ "auto" measures layers split as training splits them; ``configure_model`` runs before there is a mesh."""
+    import torch
+
+    from lightning_bfpp.adapter.auto import planned_config
+    from lightning_bfpp.engine.agreement import AgreedError
+
+    config = PipelineConfig(pipeline_parallel_size="auto", tensor_parallel_size=2)
+    with pytest.raises(AgreedError, match="define `parallelize_layer\\(layer, tp_mesh\\)` on the module or pass"):
+        planned_config(
+            config, None, None, cluster=None, profile=None, overlap_reductions=False, world_size=4,  # type: ignore[arg-type]
+            processes_per_node=4, device=torch.device("cpu"), is_global_zero=True, info=print, parallelize=None,
+        )  # fmt: skip
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
 
-def test_tensor_parallelism_with_nothing_that_parallelises_or_with_ties_is_refused():
+def test_tensor_parallelism_with_nothing_that_parallelises_is_refused():
     net = _Net()
     named = [("a", net.a), ("b", net.b)]
     mesh = SimpleNamespace(size=lambda: 2)
     with pytest.raises(ValueError, match="but no layer is tensor-parallel"):
-        check_tensor_parallel(net, named, [], mesh, None)
-    tie = SimpleNamespace(canonical="a.weight")
-    with pytest.raises(ValueError, match=r"shared by several layers \(`a.weight`\) are not supported with tensor"):
-        check_tensor_parallel(net, named, [tie], mesh, lambda layer, mesh: layer)
-    check_tensor_parallel(net, named, [], mesh, lambda layer, mesh: layer)  # a parallelize_fn: taken
-    check_tensor_parallel(net, named, [tie], None, None)  # no tensor parallelism: ties are fine
+        check_tensor_parallel(named, mesh, None)
+    check_tensor_parallel(named, mesh, lambda layer, mesh: layer)  # a parallelize_fn: taken
+    check_tensor_parallel(named, None, None)  # no tensor parallelism
 
 
 def test_the_hugging_face_plan_is_the_models_own_and_refusals_name_the_entry():
     transformers = pytest.importorskip("transformers")
-    from lightning_bfpp.integrations.huggingface import HFCausalLM, tensor_parallel_plan
+    from lightning_bfpp.integrations.huggingface import HFCausalLM, _tp_style, tensor_parallel_plan
     from tests.hf_models import tiny_config
 
     torch.manual_seed(0)
@@ -76,13 +87,23 @@ def test_the_hugging_face_plan_is_the_models_own_and_refusals_name_the_entry():
     }
     head = tensor_parallel_plan(llama, llama.head, 2)
     assert list(head) == ["lm_head"] and head["lm_head"].output_layouts[0].is_replicate()  # logits gathered
-    assert tensor_parallel_plan(llama, llama.embed, 2) == {}  # Llama's plan leaves the embedding replicated
+    # the model's resolved plan (`model.tp_plan`) splits the token embedding by vocabulary: ids replicated in,
+    # each rank's partial lookups summed out
+    embed = tensor_parallel_plan(llama, llama.embed, 2)
+    assert list(embed) == ["embed_tokens"] and type(embed["embed_tokens"]).__name__ == "RowwiseParallel"
+    assert (
+        embed["embed_tokens"].input_layouts[0].is_replicate() and embed["embed_tokens"].output_layouts[0].is_replicate()
+    )
+    # Phi-3's style for a row-wise layer after a gathered one: its whole input split here
+    assert _tp_style("rowwise_split_input").input_layouts[0].is_replicate()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's `num_key_value_heads`"):
         tensor_parallel_plan(llama, llama.blocks[0], 4)
+    # Qwen 3's per-head norms: whole, with their gradients summed over the tensor group
     qwen3 = HFCausalLM(tiny_config("qwen3", layers=2))
-    with pytest.raises(
-        ValueError, match=re.escape("asks `replicated_with_grad_allreduce` for `model.layers.*.self_attn.q_norm`")
-    ):
+    norms = tensor_parallel_plan(qwen3, qwen3.blocks[0], 2)
+    assert type(norms["layer.self_attn.q_norm"]).__name__ == "GradientsSummedOverTensorGroup"
+    qwen3._tensor_plan["model.layers.*.mlp.up_proj"] = "packed_colwise"
+    with pytest.raises(ValueError, match=re.escape("asks `packed_colwise` for `model.layers.*.mlp.up_proj`")):
         tensor_parallel_plan(qwen3, qwen3.blocks[0], 2)
     gpt2 = HFCausalLM(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=16))
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
