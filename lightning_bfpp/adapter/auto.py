@@ -93,9 +93,11 @@ def measure_profile(
     what: str = "BFPPStrategy(pipeline_parallel_size='auto')",
     instead: str = "a fixed pipeline_parallel_size",
     split: TensorSplit | None = None,
+    split_backward: bool = False,
 ) -> ModelProfile:
     """Profile the module on one training batch (its micro-batch size is the per-replica batch size); with
-    ``split``, every rank calls it, and each layer is measured split over the rank's tensor group."""
+    ``split``, every rank calls it, and each layer is measured split over the rank's tensor group;
+    ``split_backward`` measures the weight-gradient part of each backward (for ``breadth_first_zb``)."""
     from lightning_bfpp.measure.profile import profile_module
 
     if any(p.is_meta for p in module.parameters()):
@@ -108,8 +110,10 @@ def measure_profile(
     module.to(device)
     try:
         if split is None:
-            return profile_module(module, batch)
-        return profile_module(module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh)
+            return profile_module(module, batch, split_backward=split_backward)
+        return profile_module(
+            module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh, split_backward=split_backward
+        )
     finally:
         module.to(original)
 
@@ -153,7 +157,7 @@ def _choose_here(
     split: TensorSplit | None,
 ) -> tuple[Candidate, str] | Exception:
     if profile is None:
-        profile = measure_profile(module, trainer, device, split=split)
+        profile = measure_profile(module, trainer, device, split=split, split_backward=_zero_bubble(config))
     batch = profile.microbatch_size
     space = SearchSpace(
         tensor_parallel_sizes=(config.tensor_parallel_size,),
@@ -203,11 +207,16 @@ def choose(
     elif split is not None:
         # global rank 0 meets any failure in the same place, and shares it
         with contextlib.suppress(Exception):
-            measure_profile(module, trainer, device, split=split)
+            measure_profile(module, trainer, device, split=split, split_backward=_zero_bubble(config))
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise AgreedError(str(box[0]))
     return box[0]
+
+
+def _zero_bubble(config: PipelineConfig) -> bool:
+    """Whether the layout planned splits each backward (and so needs the profile's weight-gradient times)."""
+    return config.schedule == "breadth_first_zb"
 
 
 def _profile(given: ModelProfile | str | Path | None) -> ModelProfile | None:

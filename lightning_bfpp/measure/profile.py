@@ -76,8 +76,12 @@ def profile_module(
     name: str | None = None,
     parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
     tensor_mesh: DeviceMesh | None = None,
+    split_backward: bool = True,
 ) -> ModelProfile:
     """Per-layer costs of ``module`` for one micro-batch, ``batch`` (already on the module's device).
+
+    ``split_backward=False`` skips the input-gradient pass (``backward_weight_s`` left unknown): only a
+    zero-bubble schedule needs the split, and the pass costs about a third more backward time per layer.
 
     ``parallelize(layer, tensor_mesh)``: split a copy of each layer over this process's tensor group before
     measuring it (called by every member of the group, on the same batch); the module itself is left as it is."""
@@ -127,7 +131,7 @@ def profile_module(
             outs = [t for t in _tensors(output) if t.requires_grad]
             grads = [torch.ones_like(t) for t in outs]
             wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and wanted:  # the input-gradient pass alone; the graph stays for the whole backward
+            if outs and wanted and split_backward:  # the input-gradient pass alone; the graph stays for the rest
                 torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
             _sync(device)
             input_done = time.perf_counter()
@@ -163,7 +167,7 @@ def profile_module(
                 param_bytes=sum(_local(p).numel() * p.element_size() for p in layer.parameters()),
                 output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
                 saved_bytes=saved_bytes,
-                backward_weight_s=max(backward_s - input_grad_s, 0.0),
+                backward_weight_s=max(backward_s - input_grad_s, 0.0) if split_backward else None,
                 **split,
             )
         )

@@ -145,3 +145,11 @@ def test_the_profile_measures_the_weight_gradient_part_of_each_backward() -> Non
     whole = profile_module(EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8)), batch, repeats=2)
     for layer in whole.layers[1:]:
         assert layer.backward_s >= INPUT_MS / 1e3 and layer.backward_weight_s < 0.01
+    # without a zero-bubble schedule to plan ("auto" with another schedule, partition="time"), no input-gradient
+    # pass: the weight part is left unknown (the planner's default: half), the whole backward still measured
+    plain = profile_module(
+        EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)), batch, repeats=2, split_backward=False
+    )
+    assert all(layer.backward_weight_s is None for layer in plain.layers)
+    for layer in plain.layers[1:]:
+        assert (INPUT_MS + WEIGHT_MS) / 1e3 <= layer.backward_s < (2 * INPUT_MS + WEIGHT_MS) / 1e3
