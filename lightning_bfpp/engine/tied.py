@@ -408,7 +408,7 @@ def _layout(param: torch.Tensor) -> str:
 
 def _grad_placed_as_param(param: torch.Tensor) -> torch.Tensor:
     """``param``'s gradient, split as ``param`` is: a tensor-parallel layer's gradient can come out of autograd
-    placed otherwise (torch's vocabulary-parallel embedding returns it replicated over the tensor group; FSDP2
+    placed otherwise (torch's ``RowwiseParallel`` on an embedding returns it replicated over the group; FSDP2
     re-places it when it reduces, but without data parallelism nothing does), and copies of a tie are summed
     shard by shard."""
     grad = param.grad

@@ -864,6 +864,62 @@ class _SumGradient(torch.autograd.Function):
         return grad, None
 
 
+class _SumOutputs(torch.autograd.Function):
+    """The ranks' partial outputs summed over a process group; the gradient passes unchanged (each rank holds
+    the whole summed output, so its gradient is already the whole one: Megatron's reduction from the tensor
+    region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """``embedding_rowwise``: an ``nn.Embedding`` split by vocabulary rows over the tensor group, as Megatron-LM's
+    ``VocabParallelEmbedding``. Each rank looks up the ids its rows hold (zeros for the others) and the partial
+    lookups are summed. Written here rather than taken from torch's ``RowwiseParallel`` on an embedding, whose
+    backward hands the weight a gradient replicated over the group: a whole vocabulary × hidden table per rank
+    (2 GiB in fp32 for 128K × 4096), where this one's gradient is the rank's rows only. A padding id's row keeps a
+    zero gradient on the rank that holds it, as on one device."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        plain = isinstance(module, nn.Embedding) and module.max_norm is None and not module.scale_grad_by_freq
+        if not plain or module.sparse:
+            raise ValueError(
+                "BFPPStrategy: `embedding_rowwise` splits a dense `nn.Embedding` without `max_norm` or"
+                f" `scale_grad_by_freq`; got"
+                f" {module!r}. Pass `parallelize_fn=` with a plan of your own."
+            )
+        size, rank = device_mesh.size(), device_mesh.get_local_rank()
+        rows = module.num_embeddings // size
+        first = rank * rows
+        pad = module.padding_idx
+        local_pad = pad - first if pad is not None and first <= pad < first + rows else None
+        weight = module.weight
+        module.weight = nn.Parameter(
+            distribute_tensor(weight.detach(), device_mesh, [Shard(0)]), requires_grad=weight.requires_grad
+        )
+        group = device_mesh.get_group()
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            table = module.weight
+            local = table.to_local() if isinstance(table, DTensor) else table  # its gradient: this rank's rows
+            outside = (ids < first) | (ids >= first + rows)
+            found = F.embedding((ids - first).masked_fill(outside, 0), local, local_pad)
+            return _SumOutputs.apply(found.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
 class GradientsSummedOverTensorGroup(ParallelStyle):
     """``replicated_with_grad_allreduce``: a module whole on every tensor rank that sees only the rank's share
     of its input, as Qwen 3's per-head q/k norms see the heads of a column-wise projection. Its forward needs
@@ -898,7 +954,7 @@ def _tp_style(kind: str) -> Any:
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=whole),  # a whole input, split here
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=whole),
         # vocabulary-parallel: each rank looks up the ids in its rows of the table, the partial lookups are summed
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=whole, output_layouts=whole),
+        "embedding_rowwise": VocabParallelEmbedding,
         "embedding_colwise": lambda: ColwiseParallel(input_layouts=whole, output_layouts=whole),
         "replicated_with_grad_allreduce": GradientsSummedOverTensorGroup,
     }[kind]()

@@ -119,8 +119,8 @@ def gpt_run(name: str, dp: int = 1) -> RunSpec:
 HF = [
     hf_run("hf_llama_p2_t2"),
     hf_run("hf_qwen3_p2_t2", family="qwen3"),
-    # input and output embeddings tied across pipeline ranks, both split by vocabulary rows (the embedding's
-    # gradient comes out of torch replicated over the tensor group), clipped by the whole model's norm
+    # input and output embeddings tied across pipeline ranks, both split by vocabulary rows, clipped by the
+    # whole model's norm
     hf_run("hf_llama_tied_p2_t2", tie=True, trainer={"gradient_clip_val": 0.3}),
 ]
 FOUR += [*HF, gpt_run("gpt_p2_t2")]

@@ -87,13 +87,10 @@ def test_the_hugging_face_plan_is_the_models_own_and_refusals_name_the_entry():
     }
     head = tensor_parallel_plan(llama, llama.head, 2)
     assert list(head) == ["lm_head"] and head["lm_head"].output_layouts[0].is_replicate()  # logits gathered
-    # the model's resolved plan (`model.tp_plan`) splits the token embedding by vocabulary: ids replicated in,
-    # each rank's partial lookups summed out
+    # the model's resolved plan (`model.tp_plan`) splits the token embedding by vocabulary rows: each rank's
+    # partial lookups summed
     embed = tensor_parallel_plan(llama, llama.embed, 2)
-    assert list(embed) == ["embed_tokens"] and type(embed["embed_tokens"]).__name__ == "RowwiseParallel"
-    assert (
-        embed["embed_tokens"].input_layouts[0].is_replicate() and embed["embed_tokens"].output_layouts[0].is_replicate()
-    )
+    assert list(embed) == ["embed_tokens"] and type(embed["embed_tokens"]).__name__ == "VocabParallelEmbedding"
     # Phi-3's style for a row-wise layer after a gathered one: its whole input split here
     assert _tp_style("rowwise_split_input").input_layouts[0].is_replicate()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's `num_key_value_heads`"):

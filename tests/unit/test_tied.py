@@ -204,3 +204,27 @@ def test_copies_optimized_differently_are_refused():
     left_out = [p for n, p in net.named_parameters() if n != "head.weight"]
     with pytest.raises(ValueError, match="not optimized"):
         tied.check_optimizers([torch.optim.AdamW(left_out, lr=1e-3)])
+
+
+def test_a_tied_copys_gradient_is_placed_as_its_weight_before_the_copies_are_summed():
+    """torch's ``RowwiseParallel`` on an embedding returns the weight's gradient replicated while the weight is
+    split by rows; summing copies' local gradients then adds tensors of different shapes. The tie re-places it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_bfpp.engine.tied import _grad_placed_as_param
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",))
+        weight = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.full((4, 2), 3.0), mesh, [Replicate()])
+        grad = _grad_placed_as_param(weight)
+        assert grad.placements == (Shard(0),) and weight.grad.placements == (Shard(0),)
+        assert torch.equal(grad.full_tensor(), torch.full((4, 2), 3.0))
+    finally:
+        if created:
+            dist.destroy_process_group()
