@@ -77,6 +77,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from lightning_bfpp.adapter import _lightning_compat
 from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.loss import mean_over_items
+from lightning_bfpp.engine.tensor_regions import SumGradient, SumOutputs
 
 __all__ = [
     "CAUSAL_LM_FAMILIES",
@@ -849,37 +850,6 @@ _TP_STYLES = (
 )  # fmt: skip
 
 
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; the gradient summed over a process group."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOutputs(torch.autograd.Function):
-    """The ranks' partial outputs summed over a process group; the gradient passes unchanged (each rank holds
-    the whole summed output, so its gradient is already the whole one: Megatron's reduction from the tensor
-    region)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 class VocabParallelEmbedding(ParallelStyle):
     """``embedding_rowwise``: an ``nn.Embedding`` split by vocabulary rows over the tensor group, as Megatron-LM's
     ``VocabParallelEmbedding``. Each rank looks up the ids its rows hold (zeros for the others) and the partial
@@ -914,7 +884,7 @@ class VocabParallelEmbedding(ParallelStyle):
             local = table.to_local() if isinstance(table, DTensor) else table  # its gradient: this rank's rows
             outside = (ids < first) | (ids >= first + rows)
             found = F.embedding((ids - first).masked_fill(outside, 0), local, local_pad)
-            return _SumOutputs.apply(found.masked_fill(outside.unsqueeze(-1), 0.0), group)
+            return SumOutputs.apply(found.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
         module.forward = forward  # type: ignore[method-assign]
         return module
@@ -933,7 +903,7 @@ class GradientsSummedOverTensorGroup(ParallelStyle):
         forward = module.forward
 
         def summed_forward(*args: Any, **kwargs: Any) -> Any:
-            params = {name: _SumGradient.apply(p, group) for name, p in module.named_parameters(recurse=False)}
+            params = {name: SumGradient.apply(p, group) for name, p in module.named_parameters(recurse=False)}
             with _compat.parameters_replaced(module, params):
                 return forward(*args, **kwargs)
 

@@ -36,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_bfpp.engine.tensor_regions import SumGradient
+
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
@@ -116,21 +118,6 @@ def split_sleep(
     return head + _SleepWeight.apply(weight, x.detach(), weight_grad_s, sleep)
 
 
-class _EnterTensorGroup(torch.autograd.Function):
-    """Megatron's ``f``: the input as is; its gradient summed over the tensor group (each rank holds a part)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _LeaveTensorGroup(torch.autograd.Function):
     """Megatron's ``g``: the ranks' partial outputs all-reduced (averaged here, so that values stay put across
     layers: an emulated layer computes nothing); the gradient as is."""
@@ -181,7 +168,7 @@ class EmulatedLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.tensor_group is not None:
-            x = _EnterTensorGroup.apply(x, self.tensor_group)
+            x = SumGradient.apply(x, self.tensor_group)
             weight = weight.to_local() if isinstance(weight, DTensor) else weight
         k = x.shape[0] if self.per_sample else 1  # samples in this micro-batch
         if self.weight_grad_s is None:

@@ -98,7 +98,8 @@ def profile_module(
         if parallelize is not None:
             layer = copy.deepcopy(layer)
             layer = parallelize(layer, tensor_mesh) or layer
-        counted: list[CollectiveCounter] = []  # the first run's collectives: forward, then backward
+        # the first run counts the group's collectives: in the forward, and in the whole backward
+        forward_count, backward_count = CollectiveCounter(), CollectiveCounter()
         param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
         forward_times, backward_times, input_grad_times = [], [], []
         saved_bytes = 0
@@ -121,8 +122,11 @@ def profile_module(
 
             _sync(device)
             start = time.perf_counter()
-            count = CollectiveCounter() if attempt == 0 and tensor_mesh is not None else contextlib.nullcontext()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count:
+            counting = attempt == 0 and tensor_mesh is not None
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                forward_count if counting else contextlib.nullcontext(),
+            ):
                 # later layers get activations as StageModule passes them: one tensor, or a tuple as one argument
                 activation = leaves[0] if len(leaves) == 1 else tuple(leaves)
                 output = layer(*leaves, **kwargs) if first else layer(activation)
@@ -135,14 +139,11 @@ def profile_module(
                 torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
             _sync(device)
             input_done = time.perf_counter()
-            count_backward = CollectiveCounter() if isinstance(count, CollectiveCounter) else contextlib.nullcontext()
             if outs:
-                with count_backward:
+                with backward_count if counting else contextlib.nullcontext():
                     torch.autograd.backward(outs, grads)
             _sync(device)
             end = time.perf_counter()
-            if isinstance(count, CollectiveCounter):
-                counted += [count, count_backward]  # type: ignore[list-item]
             if attempt:  # the first run warms up
                 forward_times.append(middle - start)
                 input_grad_times.append(input_done - middle)
@@ -153,7 +154,7 @@ def profile_module(
         input_grad_s = statistics.median(input_grad_times)
         split = {}
         if tensor_mesh is not None:
-            n_forward, n_backward = (c.count for c in counted)
+            n_forward, n_backward = forward_count.count, backward_count.count
             each = _collective_s(tensor_mesh, _tensors(output), repeats) if n_forward or n_backward else 0.0
             forward_s = max(forward_s - n_forward * each, 0.0)
             # the input gradient's all-reduces run in the input-gradient pass and again in the whole backward

@@ -105,3 +105,48 @@ def test_the_hugging_face_plan_is_the_models_own_and_refusals_name_the_entry():
     gpt2 = HFCausalLM(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=16))
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         tensor_parallel_plan(gpt2, gpt2.blocks[0], 2)
+
+
+def _vocab_parallel_worker(rank: int, store_path: str, out_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_bfpp.integrations.huggingface import VocabParallelEmbedding
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        torch.manual_seed(0)
+        whole = nn.Embedding(16, 8, padding_idx=3)
+        split = nn.Embedding(16, 8, padding_idx=3)
+        split.load_state_dict(whole.state_dict())
+        parallelize_module(split, mesh, VocabParallelEmbedding())
+        ids = torch.tensor([[1, 3, 9, 15], [3, 3, 8, 0]])
+        weights = torch.arange(8.0)
+        (split(ids) * weights).sum().backward()
+        (whole(ids) * weights).sum().backward()
+        grad = split.weight.grad
+        result = {
+            "output": (split(ids) - whole(ids)).abs().max().item(),
+            "local_grad_rows": grad.to_local().shape[0],
+            "grad": (grad.full_tensor() - whole.weight.grad).abs().max().item(),
+        }
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_the_vocabulary_parallel_embedding_keeps_only_its_rows_gradient(tmp_path):
+    """Each of 2 tensor ranks looks up its 8 of 16 rows, and its weight gradient is those 8 rows (torch's
+    ``RowwiseParallel`` on an embedding returns all 16 on each rank); output and gradient equal one embedding,
+    padding row included."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "result.pt"
+    mp.spawn(_vocab_parallel_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2)
+    result = torch.load(out)
+    assert result["local_grad_rows"] == 8
+    assert result["output"] == 0.0 and result["grad"] == 0.0
