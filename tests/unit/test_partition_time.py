@@ -2,11 +2,15 @@
 
 GPT-2 small's 50k-token embedding holds as many parameters as five blocks and computes almost nothing; its LM
 head's matmul costs about five blocks. This model has the same shape at a size that runs here in
-seconds (hidden 128, 24 blocks, a 12,000-token vocabulary: the embedding and the head hold about 8 blocks of
+seconds (hidden 128, 8 blocks, a 12,000-token vocabulary: the embedding and the head hold about 8 blocks of
 parameters each, and on this CPU the head's matmul costs about 4 blocks), cut into two stages: balanced by
-parameters, one stage gets the embedding and the other the head, equal in parameters and not in time. Each
-stage's forward + backward is timed as a whole, separately from the per-layer profile the partition was
-computed from.
+parameters, one stage gets the embedding and 4 blocks, the other 4 blocks and the head, equal in parameters
+and about 1:2 in time; balanced by time, 6 blocks and 2. Each stage's forward + backward is timed as a whole,
+separately from the per-layer profile the partition was computed from.
+
+Eight blocks, not GPT-2's twelve or more: with 24 the parameters' cut was only about a third slower on its
+slower stage, within what these cores' timing noise moved a stage (up to a fifth between measurements of the
+same layers), and the test failed on a quiet machine.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _gpt2_shaped() -> HFCausalLM:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_embd=128,
-        n_layer=24,
+        n_layer=8,
         n_head=4,
         vocab_size=VOCAB,
         n_positions=SEQ,
@@ -104,12 +108,12 @@ def test_time_partition_balances_compute_where_parameters_do_not():
                 stage = _stage_times(module, batch, layout.stage_layer_counts)
                 spread[name] = max(stage) / min(stage) - 1
             attempts.append(spread)
-            if by_time.stage_layer_counts != by_params.stage_layer_counts and spread["time"] < 0.15:
+            if by_time.stage_layer_counts != by_params.stage_layer_counts and spread["time"] < 0.25:
                 break
         moved = [a for a in attempts if a["counts"] != by_params.stage_layer_counts]
         assert moved, (by_params.stage_layer_counts, attempts)  # time balancing cut elsewhere at least once
         best = min(moved, key=lambda a: a["time"])
-        assert best["time"] < 0.15, attempts
-        assert best["parameters"] > 0.15, attempts
+        assert best["time"] < 0.25, attempts
+        assert best["parameters"] > 0.5, attempts
     finally:
         torch.set_num_threads(threads)
