@@ -49,7 +49,7 @@ from lightning_bfpp.engine import checkpoint as engine_checkpoint
 from lightning_bfpp.engine.agreement import AgreedError, PipelineAgreedError, agree
 from lightning_bfpp.engine.build import Build, Placement, place, plan_stages
 from lightning_bfpp.engine.cpu_threads import available_cores, share_cores
-from lightning_bfpp.engine.failures import FailureWatchdog, start_watchdog
+from lightning_bfpp.engine.failures import FailureWatchdog, release_groups_at_exit, start_watchdog
 from lightning_bfpp.engine.frozen import NothingToTrain, set_up_unless_all_frozen
 from lightning_bfpp.engine.layers import compile_options, pipeline_layers, recompute_policy
 from lightning_bfpp.engine.pipeline import Pipeline, StepResult
@@ -257,6 +257,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
         lc.setup_distributed(self)
+        release_groups_at_exit()
         if self._watchdog is None:
             self._watchdog = start_watchdog(self.global_rank, self.world_size, self.failure_timeout)
         if not planned:

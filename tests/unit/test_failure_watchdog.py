@@ -103,3 +103,29 @@ def test_losing_the_store_stops_every_process():
     assert time.monotonic() - start < 10  # a 5 s grace for a run that is merely ending
     for code, err in results:
         assert code == 1 and "the process group's store stopped answering" in err, err
+
+
+EXIT_SCRIPT = """
+import atexit, os, sys, tempfile
+import torch.distributed as dist
+from lightning_bfpp.engine import failures
+
+# registered first, so it runs after the package's handler: is the group still there at the very end?
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+store = dist.FileStore(tempfile.mktemp(), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+failures.release_groups_at_exit()
+failures.release_groups_at_exit()  # once per process, however many strategies set up
+if sys.argv[1] == "failed":
+    failures.FailureWatchdog(store, 0, 1, namespace="exit").report("ValueError: injected")
+"""
+
+
+@pytest.mark.parametrize(("how", "left"), [("finished", False), ("failed", True)])
+def test_process_groups_are_destroyed_at_a_normal_exit_and_kept_after_a_reported_failure(how, left):
+    """A normal exit destroys the groups before the interpreter's finalization (gloo's threads may otherwise
+    abort it); a process that reported its own failure leaves them (its transfers may wait on its peers)."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"initialized at exit: {left}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
