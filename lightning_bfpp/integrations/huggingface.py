@@ -869,6 +869,11 @@ class VocabParallelEmbedding(ParallelStyle):
                 f" {module!r}. Pass `parallelize_fn=` with a plan of your own."
             )
         size, rank = device_mesh.size(), device_mesh.get_local_rank()
+        if module.num_embeddings % size:  # torch's Shard(0) would give the ranks unequal rows, found at wrong ids
+            raise ValueError(
+                f"BFPPStrategy: `embedding_rowwise` over {size} tensor ranks needs a vocabulary that {size} divides;"
+                f" the embedding has {module.num_embeddings} rows. Pad the vocabulary or choose another tensor size."
+            )
         rows = module.num_embeddings // size
         first = rank * rows
         pad = module.padding_idx

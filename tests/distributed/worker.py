@@ -592,8 +592,8 @@ class LocalRanks:
     ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so Lightning sees processes created outside it, as under
     torchrun. Nothing is forked when a launcher already started the ranks (``LOCAL_RANK`` set) or for one
     process. As Lightning's launcher does, a child that exits non-zero gets every process killed 5 s later
-    (a rank that lost a peer may otherwise wait in a collective until the test's timeout); and this process
-    leaves only after its children, with the first failure's code.
+    (a rank that lost a peer may otherwise wait in a collective until the test's timeout), so the launch fails
+    whichever rank failed; and this process leaves only after its children.
     """
 
     POLL_S = 0.5
@@ -621,33 +621,30 @@ class LocalRanks:
                 self.children = []
                 return
             self.children.append(pid)
-        self.codes: dict[int, int] = {}
         self._done = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="local-ranks").start()
 
     def _watch(self) -> None:
-        while len(self.codes) < len(self.children):
-            for pid in self.children:
-                if pid in self.codes:
-                    continue
+        running = list(self.children)
+        while running:
+            for pid in list(running):
                 done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    self.codes[pid] = os.waitstatus_to_exitcode(status)
-                    if self.codes[pid] != 0:
-                        time.sleep(self.KILL_AFTER_S)
-                        for other in self.children:
-                            if other not in self.codes:
-                                with contextlib.suppress(ProcessLookupError):
-                                    os.kill(other, signal.SIGKILL)
-                        os.kill(os.getpid(), signal.SIGKILL)
+                if not done:
+                    continue
+                running.remove(pid)
+                if os.waitstatus_to_exitcode(status) != 0:
+                    time.sleep(self.KILL_AFTER_S)
+                    for other in running:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(self.POLL_S)
         self._done.set()
 
-    def exit_code(self) -> int:
-        """Wait for the children (none in a child); 0, or the first non-zero exit code among them."""
+    def wait(self) -> None:
+        """Return once every child has exited with status 0 (at once in a child)."""
         if self.children:
             self._done.wait()
-        return next((code for code in self.codes.values() if code), 0) if self.children else 0
 
 
 def main() -> None:
@@ -671,7 +668,8 @@ def main() -> None:
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(ranks.exit_code())
+    ranks.wait()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,18 @@ def test_the_vocabulary_parallel_embedding_keeps_only_its_rows_gradient(tmp_path
     result = torch.load(out)
     assert result["local_grad_rows"] == 8
     assert result["output"] == 0.0 and result["grad"] == 0.0
+
+
+def test_the_vocabulary_parallel_embedding_refuses_a_vocabulary_its_ranks_do_not_divide():
+    """torch's row split would give 9 and 8 rows to 2 ranks while each looked up 8: ids found at wrong rows."""
+    from lightning_bfpp.integrations.huggingface import VocabParallelEmbedding
+
+    class TwoRanks:  # the refusal comes before any collective or placement
+        def size(self) -> int:
+            return 2
+
+        def get_local_rank(self) -> int:
+            return 0
+
+    with pytest.raises(ValueError, match="needs a vocabulary that 2 divides; the embedding has 17 rows"):
+        VocabParallelEmbedding()._apply(nn.Embedding(17, 4), TwoRanks())
