@@ -242,19 +242,20 @@ __all__ = [
 # -- checkpoint consolidation ----------------------------------------------------------------------
 
 
-def load_distributed_checkpoint(folder: Any) -> dict[str, Any]:
+def load_distributed_checkpoint(folder: Any, *, weights_only: bool | None = None) -> dict[str, Any]:
     """A DCP checkpoint ``folder`` read whole on one process, as saved (the weights under ``"model"``), with the
-    non-tensor state of its ``meta.pt``."""
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    non-tensor state of its ``meta.pt``: Lightning's ``_load_distributed_checkpoint``, with ``weights_only``
+    applied to every file (see :func:`lightning_bfpp.engine.checkpoint.read_whole`)."""
+    from lightning_bfpp.engine.checkpoint import read_whole
 
-    return _load_distributed_checkpoint(folder)
+    return read_whole(folder, weights_only=weights_only)
 
 
-def consolidated_checkpoint(folder: Any) -> dict[str, Any]:
+def consolidated_checkpoint(folder: Any, *, weights_only: bool | None = None) -> dict[str, Any]:
     """What ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` writes for a DCP ``folder``."""
     from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
-    return _format_checkpoint(load_distributed_checkpoint(folder))
+    return _format_checkpoint(load_distributed_checkpoint(folder, weights_only=weights_only))
 
 
 def summarize_with(callbacks: Any, summary: Any) -> None:

@@ -76,11 +76,14 @@ def load(
     place: CheckpointPlace,
     *,
     strict: bool,
-    weights_only: bool,
+    weights_only: bool | None,
     warn: Callable[[str], None],
 ) -> dict[str, Any]:
     """Load a checkpoint (a folder from any layout, or a one-device file) into this rank's stages and
-    optimizers; return the rest of Lightning's dict, with this replica's loader states in the fit loop's entry."""
+    optimizers; return the rest of Lightning's dict, with this replica's loader states in the fit loop's entry.
+
+    ``weights_only`` as Lightning passes it (``None``: torch's default, ``True``), for every file of the
+    checkpoint (see :func:`lightning_bfpp.engine.checkpoint.load`)."""
     loaded, warning = files.load(
         path,
         module,

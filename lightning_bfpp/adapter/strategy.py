@@ -569,7 +569,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         return checkpointing.load(
             Path(self.broadcast(str(checkpoint_path))), self.lightning_module,
             [lc.unwrap_optimizer(o) for o in self.optimizers], self._checkpoint_place,
-            strict=self.lightning_module.strict_loading, weights_only=bool(weights_only), warn=rank_zero_warn,
+            strict=self.lightning_module.strict_loading, weights_only=weights_only, warn=rank_zero_warn,
         )  # fmt: skip
 
     @classmethod

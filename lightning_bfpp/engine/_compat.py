@@ -25,6 +25,7 @@ import torch
 import torch.distributed.pipelining.schedules as _torch_schedules
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
 from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
@@ -358,10 +359,22 @@ def default_store() -> Any:
     return _get_default_store()
 
 
+def read_whole_dcp(reader: Any, planner: Any) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, read on one process as saved (nested dicts, whole tensors), through
+    ``reader`` and an :class:`EmptyStateDictLoadPlanner` ``planner`` (Lightning's consolidation does the same):
+    ``dcp.load`` fills only the keys it is given."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    return state
+
+
 __all__ = [
     "SUPPORTED_TORCH",
     "_METADATA_FILENAME",
     "CollectiveCounter",
+    "EmptyStateDictLoadPlanner",
     "PipelineRuntime",
     "PipelineScheduleRuntime",
     "ReduceScatterOn",
@@ -380,6 +393,7 @@ __all__ = [
     "instance_attributes",
     "parameter_slots",
     "parameters_replaced",
+    "read_whole_dcp",
     "replicate",
     "runtime_is_hooked",
     "torch_version",

@@ -33,15 +33,24 @@ This module is the engine side: it does not import Lightning; the strategy passe
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
+import io
+import os
+import pathlib
+import pickle
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,8 +61,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_bfpp.engine import agreement
-from lightning_bfpp.engine.agreement import AgreedError
+from lightning_bfpp.engine import _compat, agreement
+from lightning_bfpp.engine.agreement import AgreedError, describe
 
 MODEL_KEY = "model"
 # Lightning's name for the non-tensor part (`lightning.fabric.utilities.load._METADATA_FILENAME`, checked in
@@ -78,6 +87,193 @@ def optimizer_key(index: int) -> str:
 
 def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+# -- reading without running code -------------------------------------------------------------------
+#
+# A checkpoint is pickles: `meta.pt` and a one-device file (torch.save), DCP's `.metadata` index and its non-tensor
+# entries (an optimizer's `lr`, `betas`). Unpickling can call any function the file names, so a checkpoint from
+# elsewhere could run code. `weights_only` means here what it means to Lightning and `torch.load`: `None` is
+# torch's default (`True` since torch 2.6), `True` admits tensors, plain Python values and the types torch allows,
+# `False` unpickles everything (the caller trusts the file). torch.load applies it to the files it reads; DCP
+# reads `.metadata` with plain `pickle.load` and its non-tensor entries with `weights_only=False` whatever the
+# caller asked, so with `weights_only` those are checked here before DCP reads them.
+
+_TRUE = ("1", "y", "yes", "true")
+_WEIGHTS_ONLY_FIX = (
+    "If you trust this checkpoint, allow those types with `torch.serialization.add_safe_globals([...])`, or load"
+    " it with `weights_only=False`; under `trainer.fit/validate/test` set `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`"
+    " instead (Lightning 2.6 does not pass their `weights_only` on to a strategy that restores after setup)."
+)
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """What ``torch.load(..., weights_only=weights_only)`` does: ``None`` is ``True`` (torch's default since 2.6),
+    and torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` override it as there.
+    For the files torch.load does not read (DCP's), so that one setting covers the whole checkpoint."""
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE:
+        return True
+    if weights_only is None:
+        return os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() not in _TRUE
+    return bool(weights_only)
+
+
+def _unsafe_globals(file: Path | IO[bytes]) -> list[str]:
+    """The functions and classes a ``torch.save`` file names that ``weights_only=True`` refuses (read, not run)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # not a torch.save zip: torch's own message is all there is
+        return []
+
+
+def torch_load(file: Path, *, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load(file)`` on the CPU, ``weights_only`` as Lightning passes it; a file that ``weights_only``
+    refuses raises one :class:`CheckpointError` naming the types in it and the fix, not torch's traceback."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():  # a corrupt file, not a refusal
+            raise
+        names = _unsafe_globals(file)
+        found = f"`{'`, `'.join(names)}`" if names else f"a type it does not admit ({str(error).splitlines()[0]})"
+        raise CheckpointError(
+            f"BFPPStrategy did not load {file} with `weights_only=True` (torch's default, which Lightning keeps"
+            f" when `weights_only` is not given): it holds {found}, and unpickling that could run code from the"
+            f" file. {_WEIGHTS_ONLY_FIX}"
+        ) from None
+
+
+def _dcp_metadata_global(module: str, name: str) -> Any:
+    """The object a ``.metadata`` pickle may name: DCP's own dataclasses and enums (inert to build), torch's
+    sizes, dtypes and layouts, and paths (the checkpoint id); ``None`` for anything else. Only modules already
+    imported are looked in: a file never makes this import anything."""
+    if module.startswith("torch.distributed.checkpoint."):
+        found = getattr(sys.modules.get(module), name, None)
+        if dataclasses.is_dataclass(found) or (isinstance(found, type) and issubclass(found, enum.Enum)):
+            return found
+        return None
+    if module == "torch":
+        found = getattr(torch, name, None)
+        return found if found is torch.Size or isinstance(found, (torch.dtype, torch.layout)) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):  # how a torch.layout pickles
+        return getattr(torch.serialization, name)
+    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        return getattr(pathlib, name)
+    if (module, name) == ("collections", "OrderedDict"):
+        return collections.OrderedDict
+    return None
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A name in a pickle that :func:`_dcp_metadata_global` does not admit."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict what a pickle may call ("Restricting Globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _dcp_metadata_global(module, name)
+        if found is None:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return found
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader, with ``weights_only``: the ``.metadata`` pickle must name only what DCP writes there
+    before DCP unpickles it."""
+
+    def __init__(self, path: Path, *, weights_only: bool) -> None:
+        super().__init__(path)
+        self.checked = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self.checked:
+            rank = kwargs.get("rank")
+            file = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+            try:
+                with open(file, "rb") as stream:
+                    _MetadataUnpickler(stream).load()
+            except _RefusedGlobal as refused:
+                raise CheckpointError(
+                    f"BFPPStrategy did not load {file.parent} with `weights_only=True` (torch's default, which"
+                    f" Lightning keeps when `weights_only` is not given): its `.metadata` names `{refused}`, which"
+                    " is not a type torch.distributed.checkpoint writes there, and unpickling it could run code"
+                    f" from the file. {_WEIGHTS_ONLY_FIX}"
+                ) from None
+        return super().read_metadata(*args, **kwargs)
+
+
+class _CheckedBytes:
+    """A DCP load planner whose non-tensor entries must load with ``weights_only=True`` before DCP unpickles them
+    (it does so with ``weights_only=False``)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        data = value.getvalue()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError:
+            names = _unsafe_globals(io.BytesIO(data))
+            found = f"`{'`, `'.join(names)}`" if names else "a type `weights_only=True` does not admit"
+            raise CheckpointError(
+                f"BFPPStrategy did not load the entry {read_item.dest_index.fqn} of the checkpoint with"
+                f" `weights_only=True` (torch's default, which Lightning keeps when `weights_only` is not given):"
+                f" it holds {found}, and unpickling that could run code from the file. {_WEIGHTS_ONLY_FIX}"
+            ) from None
+        super().load_bytes(read_item, io.BytesIO(data))  # type: ignore[misc]
+
+
+class _CheckedLoadPlanner(_CheckedBytes, DefaultLoadPlanner):
+    pass
+
+
+class _CheckedWholePlanner(_CheckedBytes, _compat.EmptyStateDictLoadPlanner):
+    pass
+
+
+def reader(path: Path, *, weights_only: bool | None) -> dcp.FileSystemReader:
+    """DCP's reader of ``path``, refusing a ``.metadata`` that names more than DCP writes unless ``weights_only``
+    resolves to ``False`` (:func:`resolve_weights_only`)."""
+    return _Reader(path, weights_only=resolve_weights_only(weights_only))
+
+
+def _read_metadata(path: Path, *, weights_only: bool | None) -> Any:
+    return reader(path, weights_only=weights_only).read_metadata()
+
+
+def load_metadata(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint folder ``path`` (Lightning's non-tensor state), as ``weights_only`` allows."""
+    try:
+        loaded = torch_load(path / METADATA_FILENAME, weights_only=weights_only)
+    except CheckpointError:
+        raise
+    except Exception as error:  # cut short, or not a torch.save file: the fix is the same
+        raise CheckpointError(
+            f"BFPPStrategy cannot load the checkpoint {path}: its {METADATA_FILENAME} is unreadable"
+            f" ({type(error).__name__}: {str(error)[:200]}); the folder is truncated or corrupt. Copy it again from"
+            " where it was written, or resume from an earlier checkpoint."
+        ) from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"BFPPStrategy cannot load the checkpoint {path}: its {METADATA_FILENAME} holds a"
+            f" {type(loaded).__name__}, not the dict of Lightning's state that BFPPStrategy writes there."
+        )
+    return loaded
+
+
+def read_whole(folder: Path, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """A checkpoint folder read whole on one process, as saved (the weights under ``"model"``), with the entries
+    of its ``meta.pt``: what Lightning's ``consolidate_checkpoint`` reads, with ``weights_only`` applied to every
+    file (Lightning's reader unpickles ``.metadata`` and DCP's non-tensor entries in full)."""
+    folder = Path(folder)
+    safe = resolve_weights_only(weights_only)
+    planner = _CheckedWholePlanner() if safe else _compat.EmptyStateDictLoadPlanner()
+    try:
+        checkpoint = _compat.read_whole_dcp(reader(folder, weights_only=weights_only), planner)
+    except CheckpointException as failure:
+        raise _load_failure(failure, folder) from None
+    if (folder / METADATA_FILENAME).is_file():
+        checkpoint.update(load_metadata(folder, weights_only=weights_only))
+    return checkpoint
 
 
 def model_state(module: nn.Module, aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -201,6 +397,30 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
     raise_on_every_rank(error, context)
 
 
+def _dcp_failures(failure: CheckpointException) -> str:
+    """DCP's failure as one line: the first failing rank, the others named, and its error (not the tracebacks
+    DCP's own message holds)."""
+    failures = sorted(failure.failures.items())
+    if not failures:
+        return describe(failure)
+    (rank, (error, _)), others = failures[0], [r for r, _ in failures[1:]]
+    also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+    return f"rank {rank} failed{also}: {describe(error)}"
+
+
+def _load_failure(failure: CheckpointException, path: Path) -> CheckpointError:
+    """DCP's failure to read ``path`` as one :class:`CheckpointError`: a refused entry's own message, as it is."""
+    refused = [error for error, _ in failure.failures.values() if isinstance(error, CheckpointError)]
+    if refused:
+        return CheckpointError(str(refused[0]))
+    return CheckpointError(f"BFPPStrategy could not load the checkpoint {path}: {_dcp_failures(failure)}")
+
+
+def _discard(path: Path) -> None:
+    """Remove a staging folder, as far as possible: a failed save is reported as such, not as this."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _write_metadata(metadata: dict[str, Any], file: Path) -> None:
     torch.save(metadata, file)
 
@@ -293,31 +513,73 @@ _OTHER_MODEL = (
 )
 
 
-def check_sharded(path: Path, expected: Shapes, *, strict: bool) -> None:
-    """Refuse a DCP folder that is incomplete or was saved from another model, before anything is read.
+_EXPECTED = (
+    "BFPPStrategy loads a folder it wrote itself (`trainer.save_checkpoint`, `ModelCheckpoint`) or a one-device"
+    " checkpoint file (`trainer.save_checkpoint` under another strategy)"
+)
+
+
+def _listed_files(path: Path) -> str:
+    return _listed(sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()))
+
+
+def _no_index(path: Path, where: str) -> CheckpointError:
+    """The error for a folder without DCP's ``.metadata``, saying what it holds instead."""
+    entries = list(path.iterdir())
+    if not entries:
+        return CheckpointError(
+            f"{where}: it is an empty folder, not a checkpoint (the wrong path, or a save that was stopped before"
+            f" it wrote anything). {_EXPECTED}."
+        )
+    if any(p.suffix == ".distcp" for p in entries):
+        return CheckpointError(
+            f"{where}: it holds torch.distributed.checkpoint data files but no `.metadata`, which DCP writes after"
+            " every rank's data: the save did not finish, or this is an incomplete copy. Copy it again from"
+            " where it was written, or resume from an earlier checkpoint."
+        )
+    return CheckpointError(
+        f"{where}: it has no `.metadata`, so it is not a torch.distributed.checkpoint folder; it holds"
+        f" {_listed_files(path)}. {_EXPECTED}."
+    )
+
+
+def check_sharded(path: Path, expected: Shapes, *, strict: bool, weights_only: bool | None = None) -> None:
+    """Refuse a DCP folder that is incomplete, foreign or was saved from another model, before anything is read.
 
     Every rank passes the same folder and the whole module's ``expected`` shapes, so every rank raises the
     same error. DCP would otherwise fail inside its collective load with a per-rank message (an unreadable
-    file) or a missing-key message that names no shape.
+    file) or a missing-key message that names no shape. ``weights_only`` (see :func:`resolve_weights_only`):
+    whether ``.metadata`` may name more than DCP writes there.
     """
     where = f"BFPPStrategy cannot load the checkpoint {path}"
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = _read_metadata(path, weights_only=weights_only)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{where}: it has no `.metadata`, so it is not a torch.distributed.checkpoint folder (or is an"
-            " incomplete copy of one). Pass a folder written by `trainer.save_checkpoint`/`ModelCheckpoint` under"
-            " BFPPStrategy, or a checkpoint file."
-        ) from None
+        raise _no_index(path, where) from None
     except Exception as error:  # any unpickling error means the same
         raise CheckpointError(
             f"{where}: its `.metadata` is unreadable ({type(error).__name__}: {error}); the folder is truncated"
             " or corrupt. Copy it again from where it was written, or resume from an earlier checkpoint."
         ) from None
+    keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    if MODEL_KEY not in keys:
+        if "state_dict" in keys:
+            raise CheckpointError(
+                f"{where}: its weights are under `state_dict`, not `{MODEL_KEY}`: the layout of Lightning's"
+                f" ModelParallelStrategy, not BFPPStrategy's. {_EXPECTED}; resume this one under"
+                " ModelParallelStrategy, or load its weights into the module before `fit`."
+            )
+        raise CheckpointError(
+            f"{where}: it holds {_listed(sorted(keys)) or 'no entries'} and no `{MODEL_KEY}` entry, so it was not"
+            f" written by BFPPStrategy (nor by Lightning's FSDPStrategy). {_EXPECTED}."
+        )
     problems = []
     if not (path / METADATA_FILENAME).is_file():
         problems.append(
-            f"{METADATA_FILENAME} (Lightning's loop, callback and scheduler state, written last) is missing"
+            f"{METADATA_FILENAME} (Lightning's loop, callback and scheduler state, written last; a folder that"
+            " torch.distributed.checkpoint wrote alone has none) is missing"
         )
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -345,11 +607,6 @@ def check_sharded(path: Path, expected: Shapes, *, strict: bool) -> None:
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(prefix)
     }
-    if not stored:
-        raise CheckpointError(
-            f"{where}: it holds no `{MODEL_KEY}` entry; it was not written by BFPPStrategy or Lightning's FSDP"
-            " strategies."
-        )
     if problems := _name_problems(stored, expected, strict=strict):
         raise CheckpointError(f"{where}: {'; '.join(problems)}.{_OTHER_MODEL}")
 
@@ -375,9 +632,9 @@ def check_full(
         raise CheckpointError(f"BFPPStrategy cannot load the checkpoint {path}: {'; '.join(problems)}.{_OTHER_MODEL}")
 
 
-def checkpoint_keys(path: Path) -> set[str]:
+def checkpoint_keys(path: Path, *, weights_only: bool | None = None) -> set[str]:
     """The top-level keys stored in a DCP folder (``"model"``, ``"optimizer_0"``, …)."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = _read_metadata(path, weights_only=weights_only)
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
@@ -390,7 +647,7 @@ def load(
     optimizers: Sequence[torch.optim.Optimizer],
     *,
     strict: bool,
-    weights_only: bool,
+    weights_only: bool | None = None,
     full_parameter_names: Sequence[str],
     trained_parameter_names: Sequence[str] | None = None,
     aliases: Mapping[str, str] | None = None,
@@ -402,6 +659,11 @@ def load(
     check runs on every rank with the same inputs and any failure is shared before the next step, so a bad
     checkpoint stops every rank with the same message and none waits for the others. ``aliases``: the tied
     parameters' other names (see :mod:`lightning_bfpp.engine.tied`), every copy being restored from the canonical entry.
+
+    ``weights_only`` is Lightning's and ``torch.load``'s: ``None`` (Lightning's default) leaves it to torch,
+    whose default is ``True``, and applies to every pickle of the checkpoint (``meta.pt``, a one-device file,
+    DCP's ``.metadata`` and its non-tensor entries), so a checkpoint from elsewhere runs no code on load.
+    ``False`` unpickles everything: the caller's choice, for a file it trusts.
     """
     aliases = aliases or {}
     context = f"BFPPStrategy could not load the checkpoint {path}"
@@ -417,7 +679,8 @@ def load(
     loaded: dict[str, Any] = {}
     try:
         if path.is_dir():
-            check_sharded(path, expected, strict=strict)
+            check_sharded(path, expected, strict=strict, weights_only=weights_only)
+            loaded = load_metadata(path, weights_only=weights_only)  # refused here, before any state changes
         else:
             loaded = _load_file(path, weights_only=weights_only)
             check_full(path, loaded["state_dict"], expected, strict=strict, aliases=aliases)
@@ -425,7 +688,8 @@ def load(
         error = failure
     raise_on_every_rank(error, context)
     if path.is_dir():
-        return _load_sharded(path, module, optimizers, strict=strict, aliases=aliases), warning
+        _load_sharded(path, module, optimizers, strict=strict, aliases=aliases, weights_only=weights_only)
+        return loaded, warning
     try:
         load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
         for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
@@ -443,18 +707,36 @@ def load(
     return loaded, warning
 
 
-def _load_file(path: Path, *, weights_only: bool) -> dict[str, Any]:
+def _load_file(path: Path, *, weights_only: bool | None) -> dict[str, Any]:
+    """A one-device checkpoint file, or one :class:`CheckpointError` saying what the file is instead."""
+    where = f"BFPPStrategy cannot load {path}"
+    if path.stat().st_size == 0:
+        raise CheckpointError(
+            f"{where}: it is an empty file (0 bytes): a save that was stopped, or a copy that failed. {_EXPECTED};"
+            " resume from an earlier checkpoint."
+        )
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        loaded = torch_load(path, weights_only=weights_only, mmap=True)
+    except CheckpointError:
+        raise
     except Exception as error:  # whatever the file holds, the fix is the same
         raise CheckpointError(
-            f"BFPPStrategy cannot load {path}: it is not a checkpoint (torch.load failed with {type(error).__name__}:"
-            f" {str(error)[:200]}). Pass a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
+            f"{where}: it is not a checkpoint (torch.load failed with {type(error).__name__}: {str(error)[:200]})."
+            f" Pass a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
         ) from None
     if not isinstance(loaded, dict) or "state_dict" not in loaded:
+        if isinstance(loaded, dict) and loaded and all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            found = (
+                f"tensors under {_listed(sorted(map(str, loaded)))}: a bare `state_dict`, not a Lightning checkpoint."
+                " Load it into the module before `fit` (`model.load_state_dict(torch.load(path))`), or pass"
+            )
+        else:
+            kind = (
+                f"a dict of {_listed(sorted(map(str, loaded)))}" if isinstance(loaded, dict) else type(loaded).__name__
+            )
+            found = f"{kind}, no `state_dict` entry, so it is not a Lightning checkpoint. Pass"
         raise CheckpointError(
-            f"BFPPStrategy cannot load {path}: it holds no `state_dict` entry, so it is not a Lightning checkpoint."
-            " Pass a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
+            f"{where}: it holds {found} a folder written by BFPPStrategy or a file from `trainer.save_checkpoint`."
         )
     return loaded
 
@@ -466,13 +748,14 @@ def _load_sharded(
     *,
     strict: bool,
     aliases: Mapping[str, str],
-) -> dict[str, Any]:
-    stored = checkpoint_keys(path)
+    weights_only: bool | None,
+) -> None:
+    index = _read_metadata(path, weights_only=weights_only).state_dict_metadata
+    stored = {key.split(".", 1)[0] for key in index}
     model = get_model_state_dict(module)
     if not strict:  # names the checked checkpoint lacks stay as they are
         prefix = MODEL_KEY + "."
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+        names = {key[len(prefix) :] for key in index if key.startswith(prefix)}
         model = {name: value for name, value in model.items() if aliases.get(name, name) in names}
     # every copy of a tied parameter asks for the canonical entry (the only one stored)
     request, model_keys = to_canonical(model, aliases)
@@ -484,13 +767,24 @@ def _load_sharded(
                 f"Trying to restore optimizer state but {path} holds none (saved with `save_weights_only=True`?);"
                 " load it with `Trainer.validate/test`, or fit without `ckpt_path` after loading the weights."
             )
+        if f"{optimizer_key(i)}.param_groups.0.params" in index:  # torch's layout: groups by position
+            raise CheckpointError(
+                f"BFPPStrategy cannot restore the optimizer state of {path}: `{optimizer_key(i)}` keys its parameter"
+                " groups by position (`param_groups.0.params`), the layout of Lightning's FSDPStrategy; BFPPStrategy"
+                " keys them by parameter name. Resume it under FSDPStrategy, or load its weights only"
+                " (`Trainer.validate/test`, or fit without `ckpt_path` after loading them)."
+            )
         if not optimizer.param_groups:  # nothing that trains on this rank: no state to read
             optimizer_keys.append(None)
             continue
         osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
         state[optimizer_key(i)], keys = to_canonical(osd, aliases, optimizer=True)
         optimizer_keys.append(keys)
-    dcp.load(state, checkpoint_id=path)
+    planner = _CheckedLoadPlanner() if resolve_weights_only(weights_only) else None
+    try:
+        dcp.load(state, storage_reader=reader(path, weights_only=weights_only), planner=planner)
+    except CheckpointException as failure:  # raised on every rank alike, from the ranks' shared outcomes
+        raise _load_failure(failure, path) from None
     model = from_canonical(state[MODEL_KEY], model_keys)
     set_model_state_dict(module, model, options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
@@ -498,7 +792,6 @@ def _load_sharded(
             continue
         osd = from_canonical(state[optimizer_key(i)], optimizer_keys[i])
         set_optimizer_state_dict(module, optimizer, osd, options=_OPTIMIZER_OPTIONS)
-    return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
 
 
 # -- data-loader states ------------------------------------------------------------------------------

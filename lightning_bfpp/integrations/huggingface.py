@@ -76,6 +76,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from lightning_bfpp.adapter import _lightning_compat
 from lightning_bfpp.engine import _compat
+from lightning_bfpp.engine.checkpoint import torch_load
 from lightning_bfpp.engine.loss import mean_over_items
 from lightning_bfpp.engine.tensor_regions import SumGradient, SumOutputs
 
@@ -1351,13 +1352,15 @@ class HFSequenceRegressor(_HFPipelineModule):
 TASK_HEAD_FILE = "bfpp_task_head.pt"
 
 
-def _module_from_checkpoint(path: Path) -> tuple[_HFPipelineModule, dict[str, torch.Tensor]]:
+def _module_from_checkpoint(
+    path: Path, weights_only: bool | None = None
+) -> tuple[_HFPipelineModule, dict[str, torch.Tensor]]:
     """The module (built on the meta device, for its names) and the full state dict of a checkpoint."""
     if path.is_dir():
-        checkpoint = _lightning_compat.load_distributed_checkpoint(path)
+        checkpoint = _lightning_compat.load_distributed_checkpoint(path, weights_only=weights_only)
         state = checkpoint.get("model")
     else:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch_load(path, weights_only=weights_only)
         state = checkpoint.get("state_dict")
     hparams = checkpoint.get("hyper_parameters") or {}
     if state is None or "model" not in hparams:
@@ -1376,6 +1379,7 @@ def export_pretrained(
     out_dir: str | os.PathLike[str],
     *,
     merge: bool = False,
+    weights_only: bool | None = None,
     **save_kwargs: Any,
 ) -> Path:
     """Write a trained :class:`HFCausalLM` / :class:`HFSequenceRegressor` as a ``save_pretrained`` folder.
@@ -1386,7 +1390,9 @@ def export_pretrained(
     (read whole, on one process). ``AutoModelForCausalLM.from_pretrained(out_dir)`` (causal LMs) or
     ``AutoModel.from_pretrained(out_dir)`` (encoders) then loads the trained model; an encoder's task head,
     which ``transformers`` does not know, is saved beside it in ``bfpp_task_head.pt``
-    (``{"pooling", "num_labels", "state_dict"}``). ``save_kwargs`` go to ``save_pretrained``.
+    (``{"pooling", "num_labels", "state_dict"}``). ``save_kwargs`` go to ``save_pretrained``. ``weights_only``
+    for a checkpoint ``source`` as ``torch.load`` takes it (``None``: torch's default, ``True``; its hyper-parameters
+    are plain values): ``False`` only for a file you trust, as unpickling it in full can run code.
 
     A module trained with LoRA is written as ``peft``'s adapter folder (``adapter_config.json`` and the adapter
     weights), which ``PeftModel.from_pretrained(base_model, out_dir)`` loads onto the base model; with
@@ -1396,7 +1402,7 @@ def export_pretrained(
     if isinstance(source, _HFPipelineModule):
         module, full = source, source.full_state_dict()
     else:
-        module, full = _module_from_checkpoint(Path(source))
+        module, full = _module_from_checkpoint(Path(source), weights_only)
     state = {hf: full[ours] for hf, ours in module.hf_names.items()}
     config = copy.deepcopy(module.hf_config)
     auto_class = AutoModel if isinstance(module, HFSequenceRegressor) else AutoModelForCausalLM

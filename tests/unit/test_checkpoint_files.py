@@ -3,10 +3,15 @@ tests/distributed/test_resume.py)."""
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_bfpp.engine import checkpoint as checkpoint_io
 from lightning_bfpp.engine.agreement import raise_shared
@@ -135,7 +140,7 @@ def test_an_incomplete_folder_is_refused_before_reading_it(tmp_path):
     with pytest.raises(CheckpointError, match=r"`.metadata` is unreadable"):
         check_sharded(path, expected, strict=True)
     (path / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"not a torch\.distributed\.checkpoint folder"):
+    with pytest.raises(CheckpointError, match=r": it is an empty folder, not a checkpoint .* a one-device checkpoint"):
         check_sharded(path, expected, strict=True)
     assert checkpoint_io.LOADER_STATES_KEY == "bfpp_loader_states"
 
@@ -162,3 +167,249 @@ def test_a_one_device_optimizer_over_the_trained_parameters_maps_to_their_names(
         assert torch.equal(fresh.state[q]["exp_avg"], saved_optimizer.state[p]["exp_avg"])
     with pytest.raises(RuntimeError, match=r"covers 3 parameters, the model has 4 \(2 that train\)"):
         load_full_optimizer(model, fresh, saved, names, trained_parameter_names=trained_names[:2])
+
+
+# -- loading runs no code from the checkpoint -------------------------------------------------------
+
+
+def _touch(marker: str) -> dict:
+    """What a hostile pickle calls: leaves ``marker`` behind, so a test sees whether loading ran it."""
+    Path(marker).write_text("code from the checkpoint ran\n")
+    return {}
+
+
+class _Payload:
+    """Unpickles by calling :func:`_touch` (any function a pickle names is called the same way, ``os.system`` too)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+TOUCH = f"{__name__}._touch"
+
+
+def test_weights_only_resolves_as_torch_load_does(monkeypatch):
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    assert [checkpoint_io.resolve_weights_only(w) for w in (None, True, False)] == [True, True, False]
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # only where the caller left it unset
+    assert [checkpoint_io.resolve_weights_only(w) for w in (None, True, False)] == [False, True, False]
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "true")  # even over an explicit False
+    assert [checkpoint_io.resolve_weights_only(w) for w in (None, True, False)] == [True, True, True]
+
+
+def _fit(dirpath: Path, steps: int, ckpt_path: Path | None = None, **fit_kwargs) -> L.Trainer:
+    """The suite's module on one process under BFPPStrategy (p=1, v=2), saving ``last.ckpt`` every step."""
+    from lightning_bfpp import BFPPStrategy
+    from tests.models import RunSpec, make_dataset, make_model
+
+    run = RunSpec(name="one", model={"optimizer": "adamw", "scheduler": "step"}, data={"num_samples": 16})
+    strategy = BFPPStrategy(pipeline_parallel_size=1, stages_per_rank=2, num_microbatches=2)
+    saving = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=0, save_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=[saving],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    loader = torch.utils.data.DataLoader(make_dataset(run), batch_size=8)
+    trainer.fit(make_model(run), loader, ckpt_path=ckpt_path, **fit_kwargs)
+    return trainer
+
+
+def test_resuming_through_fit_runs_no_code_from_the_checkpoint_unless_told_to(tmp_path, monkeypatch):
+    """The path `trainer.fit(ckpt_path=...)` takes, on one process: a `meta.pt` that would run code on unpickling
+    is refused, naming what it holds and the fix, and nothing runs; trusting the file is the caller's choice.
+    (Lightning 2.6 hands `fit`'s `weights_only` to the strategy only when it restores before setup, so under
+    `fit` that choice is torch's switch for the default, `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`.)"""
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    _fit(tmp_path / "ckpts", steps=1)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    meta = last / METADATA_FILENAME
+    # what BFPPStrategy stores itself loads with weights_only=True: nothing in it names a function or class
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(meta) == []
+    stored = torch.load(meta, weights_only=True)
+    assert stored["global_step"] == 1 and stored["hyper_parameters"]["optimizer"] == "adamw"
+    marker = tmp_path / "ran"
+    stored["hyper_parameters"]["note"] = _Payload(marker)
+    torch.save(stored, meta)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(meta) == [TOUCH]
+
+    with pytest.raises(CheckpointError) as refused:
+        _fit(tmp_path / "resumed", steps=2, ckpt_path=last)  # weights_only not given: Lightning passes None
+    message = str(refused.value)
+    assert f"{meta} with `weights_only=True`" in message and f"it holds `{TOUCH}`" in message, message
+    assert "unpickling that could run code" in message and "`weights_only=False`" in message
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in message and "add_safe_globals" in message
+    assert not marker.exists()
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # the caller trusts it
+    trainer = _fit(tmp_path / "resumed", steps=2, ckpt_path=last)
+    assert marker.exists() and trainer.global_step == 2
+
+
+def _module_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def _save_folder(path: Path, module, optimizer, **replace) -> Path:
+    """A BFPPStrategy folder of one process (what `save` writes), entries of ``optimizer_0`` replaced."""
+    state = {
+        "model": checkpoint_io.model_state(module),
+        "optimizer_0": checkpoint_io.optimizer_state(module, optimizer),
+    }
+    state["optimizer_0"].update(replace)
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    torch.save({"global_step": 1}, path / METADATA_FILENAME)
+    return path
+
+
+def _load(path: Path, module, optimizer=None, weights_only=None):
+    names = [n for n, _ in module.named_parameters()]
+    return checkpoint_io.load(path, module, [optimizer] if optimizer else [], strict=True, weights_only=weights_only,
+                              full_parameter_names=names)  # fmt: skip
+
+
+def test_dcp_files_run_no_code_either(tmp_path):
+    """DCP itself unpickles `.metadata` in full and its non-tensor entries (an optimizer's `lr`) with
+    weights_only=False; loading checks both first, unless the caller passes weights_only=False."""
+    module, optimizer = _module_and_optimizer()
+    good = _save_folder(tmp_path / "good.ckpt", module, optimizer)
+    assert _load(good, module, optimizer) == ({"global_step": 1}, None)  # the index and entries DCP writes pass
+    assert checkpoint_io.read_whole(good)["model"]["weight"].shape == (2, 3)
+
+    marker = tmp_path / "ran"
+    hostile_entry = _save_folder(
+        tmp_path / "entry.ckpt", module, optimizer, **{"param_groups.weight.lr": _Payload(marker)}
+    )
+    for read in (lambda: _load(hostile_entry, module, optimizer), lambda: checkpoint_io.read_whole(hostile_entry)):
+        with pytest.raises(CheckpointError) as refused:
+            read()
+        assert "entry optimizer_0.param_groups.weight.lr of the checkpoint with `weights_only=True`" in str(
+            refused.value
+        )
+        assert f"it holds `{TOUCH}`" in str(refused.value)
+        assert not marker.exists()
+
+    hostile_index = _save_folder(tmp_path / "index.ckpt", module, optimizer)
+    (hostile_index / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    for read in (lambda: _load(hostile_index, module, optimizer), lambda: checkpoint_io.read_whole(hostile_index)):
+        with pytest.raises(CheckpointError) as refused:
+            read()
+        assert f"its `.metadata` names `{TOUCH}`, which is not a type torch.distributed.checkpoint" in str(
+            refused.value
+        )
+        assert not marker.exists()
+    with pytest.raises(CheckpointError, match=r"`\.metadata` is unreadable"):  # the caller's choice: it runs
+        _load(hostile_index, module, optimizer, weights_only=False)
+    assert marker.exists()
+
+
+def test_a_one_device_file_runs_no_code_either(tmp_path):
+    module, _ = _module_and_optimizer()
+    marker = tmp_path / "ran"
+    file = tmp_path / "one_device.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"x": _Payload(marker)}}, file)
+    with pytest.raises(CheckpointError, match=rf"{file} with `weights_only=True` .* it holds `{TOUCH}`"):
+        _load(file, module)
+    assert not marker.exists()
+    loaded, _ = _load(file, module, weights_only=False)
+    assert marker.exists() and loaded["hyper_parameters"] == {"x": {}}
+
+
+# -- truncated, empty and foreign checkpoints ------------------------------------------------------
+
+
+def _message(path: Path, module, optimizer=None) -> str:
+    with pytest.raises(CheckpointError) as refused:
+        _load(path, module, optimizer)
+    return str(refused.value)
+
+
+def test_empty_truncated_and_foreign_folders_are_named_for_what_they_are(tmp_path):
+    module, optimizer = _module_and_optimizer()
+    expected = (
+        "BFPPStrategy loads a folder it wrote itself (`trainer.save_checkpoint`, `ModelCheckpoint`) or a one-device"
+    )
+    (tmp_path / "empty.ckpt").mkdir()
+    message = _message(tmp_path / "empty.ckpt", module)
+    assert "it is an empty folder, not a checkpoint" in message and expected in message
+
+    no_index = _save_folder(tmp_path / "no_index.ckpt", module, optimizer)
+    (no_index / ".metadata").unlink()
+    assert "data files but no `.metadata`, which DCP writes after every rank's data" in _message(no_index, module)
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    message = _message(hf, module)
+    assert (
+        "no `.metadata`, so it is not a torch.distributed.checkpoint folder; it holds config.json, model.safetensors"
+        in message
+    )
+    assert expected in message
+
+    cut = _save_folder(tmp_path / "cut.ckpt", module, optimizer)
+    (cut / ".metadata").write_bytes((cut / ".metadata").read_bytes()[:40])
+    assert "its `.metadata` is unreadable" in _message(cut, module)
+
+    for size in (0, 100):
+        meta_cut = _save_folder(tmp_path / f"meta_cut_{size}.ckpt", module, optimizer)
+        (meta_cut / METADATA_FILENAME).write_bytes((meta_cut / METADATA_FILENAME).read_bytes()[:size])
+        message = _message(meta_cut, module, optimizer)
+        assert f"its {METADATA_FILENAME} is unreadable" in message and "truncated or corrupt" in message, message
+
+    # Lightning's ModelParallelStrategy: the same meta.pt, the weights under "state_dict" (its save_checkpoint)
+    lightning = tmp_path / "model_parallel.ckpt"
+    dcp.save(
+        {"state_dict": module.state_dict(), "optimizer_0": optimizer.state_dict()},
+        checkpoint_id=lightning,
+        no_dist=True,
+    )
+    torch.save({"global_step": 1}, lightning / _METADATA_FILENAME)
+    message = _message(lightning, module, optimizer)
+    assert "its weights are under `state_dict`, not `model`: the layout of Lightning's ModelParallelStrategy" in message
+    assert expected in message
+
+    # Lightning's FSDPStrategy: "model" as here, but torch's optimizer layout (parameter groups by position)
+    fsdp = tmp_path / "fsdp.ckpt"
+    by_position = optimizer.state_dict()
+    fsdp_optimizer = {"state": {"weight": by_position["state"][0], "bias": by_position["state"][1]},
+                      "param_groups": [{**by_position["param_groups"][0], "params": ["weight", "bias"]}]}  # fmt: skip
+    dcp.save({"model": module.state_dict(), "optimizer_0": fsdp_optimizer}, checkpoint_id=fsdp, no_dist=True)
+    torch.save({"global_step": 1}, fsdp / _METADATA_FILENAME)
+    message = _message(fsdp, module, optimizer)
+    assert "`optimizer_0` keys its parameter groups by position (`param_groups.0.params`)" in message
+    assert "the layout of Lightning's FSDPStrategy" in message
+    assert _load(fsdp, module) == ({"global_step": 1}, None)  # its weights alone load
+
+    other = tmp_path / "other.ckpt"
+    dcp.save({"app": {"w": torch.zeros(2)}}, checkpoint_id=other, no_dist=True)
+    assert "it holds app and no `model` entry, so it was not written by BFPPStrategy" in _message(other, module)
+
+
+def test_files_that_are_no_lightning_checkpoint_are_named_for_what_they_are(tmp_path):
+    module, _ = _module_and_optimizer()
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    assert "it is an empty file (0 bytes): a save that was stopped, or a copy that failed" in _message(empty, module)
+    bare = tmp_path / "weights.ckpt"
+    torch.save(module.state_dict(), bare)
+    message = _message(bare, module)
+    assert "it holds tensors under bias, weight: a bare `state_dict`, not a Lightning checkpoint" in message
+    assert "model.load_state_dict(torch.load(path))" in message
+    other = tmp_path / "other.ckpt"
+    torch.save({"epoch": 3, "weights": [1, 2]}, other)
+    assert "it holds a dict of epoch, weights, no `state_dict` entry, so it is not a Lightning checkpoint" in _message(
+        other, module
+    )
+    text = tmp_path / "notes.ckpt"
+    text.write_text("epoch 3: loss 0.42\n")
+    assert "it is not a checkpoint (torch.load failed with" in _message(text, module)
