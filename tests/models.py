@@ -8,7 +8,10 @@ identical weights and see identical samples.
 from __future__ import annotations
 
 import glob
+import json
+import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,16 +278,116 @@ def make_dataset(run: RunSpec) -> RegressionData:
     return RegressionData(DataSpec(**run.data), model.in_dim, model.out_dim)
 
 
-class FailCheckpointWrite(L.Callback):
-    """Makes global rank 1 fail while writing the step-2 checkpoint (a full disk, say)."""
+# the rank that fails at each point of a save (see FailWhileSaving)
+FAILING_RANK = {"plan": 1, "write": 1, "metadata": 0, "between_renames": 0, "after_renames": 0}
+
+
+class FailWhileSaving(L.Callback):
+    """``fail_save:<where>:<step>``: the checkpoint save after step ``step`` raises on one rank at one point.
+
+    ``where``: ``plan`` (rank 1, in DCP's planning, before its own part of the staging folder exists),
+    ``write`` (rank 1, in DCP's write; global rank 0 then takes 3 s to remove the staging folder, as a busy
+    machine may make it: the other ranks must not stop it meanwhile), ``metadata`` (rank 0, writing ``meta.pt``
+    after DCP wrote), ``between_renames`` (rank 0, at the swap's second rename: the previous checkpoint is
+    ``<path>.old`` then), ``after_renames`` (rank 0, removing ``<path>.old`` once the new folder is in place).
+    Armed in ``on_train_batch_end`` of that step, before ``ModelCheckpoint``'s (the Trainer runs checkpoint
+    callbacks last); what it replaced is put back when the run ends, for the runs after it in these processes.
+    """
+
+    SLOW_CLEANUP_S = 3.0
+
+    def __init__(self, where: str, step: int) -> None:
+        if where not in FAILING_RANK:
+            raise ValueError(f"unknown failure point {where!r}")
+        self.where, self.step = where, step
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    def _replace(self, owner: Any, name: str, value: Any) -> None:
+        self._restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2 and trainer.global_rank == 1:
+        if trainer.global_step != self.step:
+            return
+        from lightning_bfpp.engine import checkpoint as checkpoint_io
 
-            def broken_write(*args: Any, **kwargs: Any) -> Any:
-                raise OSError("injected failure: disk full while writing the checkpoint")
+        rank, where = trainer.global_rank, self.where
 
-            FileSystemWriter.write_data = broken_write  # type: ignore[method-assign]
+        def fail(*_: Any, **__: Any) -> Any:
+            raise OSError(f"injected failure ({where}) on rank {rank}")
+
+        if rank == 0 and where == "write":
+            rmtree = shutil.rmtree
+
+            def slow_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+                if str(path).endswith(".tmp"):
+                    time.sleep(self.SLOW_CLEANUP_S)
+                rmtree(path, *args, **kwargs)
+
+            self._replace(shutil, "rmtree", slow_rmtree)
+        if rank != FAILING_RANK[where]:
+            return
+        if where == "plan":
+            self._replace(FileSystemWriter, "prepare_local_plan", fail)
+        elif where == "write":
+            self._replace(FileSystemWriter, "write_data", fail)
+        elif where == "metadata":
+            self._replace(checkpoint_io, "_write_metadata", fail)
+        elif where == "between_renames":
+            rename = Path.rename
+
+            def second_rename_fails(source: Path, target: Any) -> Any:
+                target = Path(target)
+                if source.name.endswith(".tmp") and target.with_name(target.name + ".old").exists():
+                    fail()
+                return rename(source, target)
+
+            self._replace(Path, "rename", second_rename_fails)
+        else:
+            remove = checkpoint_io._remove
+
+            def old_stays(path: Path) -> None:
+                staging = path.with_name(path.name.removesuffix(".old") + ".tmp")
+                if path.name.endswith(".old") and path.exists() and not staging.exists():  # after the renames
+                    fail()
+                remove(path)
+
+            self._replace(checkpoint_io, "_remove", old_stays)
+
+    def _put_back(self) -> None:
+        while self._restore:
+            owner, name, value = self._restore.pop()
+            setattr(owner, name, value)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._put_back()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._put_back()
+
+
+class CheckpointFolderAtStart(L.Callback):
+    """``checkpoint_folder_at_start``: global rank 0 writes ``checkpoint_folder.json`` in the run's folder: what
+    the folder it resumes from held at ``setup`` (before anything is loaded or saved; each checkpoint folder with
+    its ``global_step``), and the step training resumed at."""
+
+    def __init__(self, folder: Path, out: Path) -> None:
+        self.folder, self.file = folder, out / "checkpoint_folder.json"
+        self.record: dict[str, Any] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == 0:
+            self.record["held"] = {
+                p.name: torch.load(p / "meta.pt", weights_only=True)["global_step"]
+                if (p / "meta.pt").is_file()
+                else None
+                for p in sorted(self.folder.iterdir())
+            }
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            self.record["resumed_at"] = trainer.global_step
+            self.file.write_text(json.dumps(self.record))
 
 
 class IndexedPredictionWriter(BasePredictionWriter):
@@ -312,10 +415,16 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
     callbacks: list[L.Callback] = []
     kwargs: dict[str, Any] = {}
     checks = set(run.checks)
-    if "fail_save_at_step_2" in checks:
-        callbacks.append(FailCheckpointWrite())
+    for check in run.checks:
+        if check.startswith("fail_save:"):
+            _, where, step = check.split(":")
+            callbacks.append(FailWhileSaving(where, int(step)))
+    # "save_beside_resumed": the checkpoints go to the folder of the one resumed from (the same `last.ckpt`)
+    ckpts = (out.parent / run.resume_from).parent if "save_beside_resumed" in checks else out / "ckpts"
+    if "checkpoint_folder_at_start" in checks:
+        callbacks.append(CheckpointFolderAtStart((out.parent / str(run.resume_from)).parent, out))
     if "last_checkpoint_every_step" in checks:
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=0, save_last=True))
+        callbacks.append(ModelCheckpoint(dirpath=ckpts, every_n_train_steps=1, save_top_k=0, save_last=True))
     if "stop_on_non_finite_loss" in checks:
         callbacks.append(EarlyStopping(monitor="train_loss", check_finite=True, patience=1000))
     if "early_stopping" in checks:

@@ -369,6 +369,16 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
     A collective. ``meta.pt`` is written by global rank 0 only, after every rank's tensors are on disk, and
     its failure (or the swap's) reaches every rank through :func:`raise_on_every_rank`; before, rank 0
     raised alone and the others waited in the next barrier forever.
+
+    A failed save removes its staging folder ``<path>.tmp`` before any rank raises. DCP raises a failed write
+    (one rank's full disk) on every rank at once; re-raised as it was, it reached Lightning on every rank as one
+    rank's crash, and the first rank to report it had the failure watchdog (or the launcher) stop every other
+    process, global rank 0 included, possibly before it had removed the staging folder: a race that left
+    ``<path>.tmp`` behind on a busy machine. Now every rank waits in :func:`raise_on_every_rank` until rank 0 has
+    cleaned up, then raises the same agreed :class:`CheckpointError`, which stops nobody. A process killed
+    outright (SIGKILL, a lost node) can still leave ``<path>.tmp``; nothing reads it: loading reads ``path``
+    (or ``<path>.old``, :func:`resolve_path`), Lightning's ``ModelCheckpoint`` lists only ``*.ckpt`` names, and
+    the next save at ``path`` removes it first.
     """
     staging = path.with_name(path.name + ".tmp")
     context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
@@ -381,11 +391,15 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
     raise_on_every_rank(error, context)
     try:
         dcp.save(state, checkpoint_id=staging)
-    except BaseException:
-        # DCP reports a failed write on every rank, so every rank gets here; the old checkpoint is intact
+    except CheckpointException as failure:  # DCP raises it on every rank, from the ranks' shared outcomes
+        error = CheckpointError(f"{context}: {_dcp_failures(failure)}")
         if is_global_zero:
-            shutil.rmtree(staging, ignore_errors=True)
+            _discard(staging)
+    except BaseException:  # this rank's own interruption (KeyboardInterrupt): the others are not here to wait
+        if is_global_zero:
+            _discard(staging)
         raise
+    raise_on_every_rank(error, context)  # every rank waits here until rank 0 has removed the staging folder
     if is_global_zero:
         try:
             _write_metadata(metadata, staging / METADATA_FILENAME)
@@ -393,7 +407,7 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
             _swap_in(staging, path)
         except Exception as failure:  # shared with every rank below
             error = failure
-            shutil.rmtree(staging, ignore_errors=True)
+            _discard(staging)
     raise_on_every_rank(error, context)
 
 
@@ -449,7 +463,13 @@ def _swap_in(staging: Path, path: Path) -> None:
         _remove(old)  # ``path`` is complete, so an older ``.old`` is not needed
         path.rename(old)  # until the next line, the previous checkpoint is readable as <path>.old
     staging.rename(path)
-    _remove(old)
+    try:
+        _remove(old)
+    except Exception as failure:  # the new checkpoint is in place: say so
+        raise CheckpointError(
+            f"BFPPStrategy saved the checkpoint {path}, but could not remove the previous one beside it,"
+            f" {old.name} ({describe(failure)}); the next save at this path removes it, or remove it yourself."
+        ) from failure
 
 
 def resolve_path(path: Path) -> tuple[Path, str | None]:

@@ -8,6 +8,7 @@ always treats a resume as mid-epoch, and even one-device training then diverges 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from lightning_bfpp.engine.checkpoint import checkpoint_keys, is_sharded_checkpoint
-from tests.distributed.harness import REPO, launch, relative_error, run_worker
+from tests.distributed.harness import REPO, launch, relative_error
 from tests.models import PipeNet, RunSpec, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -47,23 +48,27 @@ def run(name, layout="p2_dp2_v2", epochs=2, model=MODEL, steps=None, **kwargs) -
 SINGLE_MODEL = {"optimizer": "adamw", "scheduler": "step"}  # one param group: see load_full_optimizer
 
 
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
-    """A run whose rank 1 fails while writing the step-2 checkpoint: the launch, and what its checkpoint folder
-    held right after (read before anything resumes from it)."""
-    workdir = tmp_path_factory.mktemp("crash")
-    crash = run("crash", steps=3, checks=["last_checkpoint_every_step", "fail_save_at_step_2"])
-    proc = run_worker([crash], 4, workdir, timeout=300)
-    ckpts = workdir / "out" / "crash" / "ckpts"
-    last = ckpts / "last.ckpt"
-    sharded = is_sharded_checkpoint(last)
-    step = torch.load(last / "meta.pt", weights_only=False)["global_step"] if sharded else None
-    names = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else None
-    return proc, names, sharded, step, last
+# A save fails at each point in turn, one run after the other in the same launch, on the same `last.ckpt`: each
+# run resumes from what the failure before left, saves once there, and fails at the next save (the error is
+# agreed on every rank, so the processes go on with the next run); the last run saves once more.
+CHAIN = ["plan", "write", "metadata", "between_renames", "after_renames"]  # see tests.models.FailWhileSaving
+CHAIN_FOLDER = "fail_plan/ckpts"  # the first run's checkpoint folder, where every run of the chain saves
+
+
+def chain_runs() -> list[RunSpec]:
+    runs = []
+    for k, where in enumerate(CHAIN):  # run k resumes from step k (fresh for k = 0) and fails saving step k + 2
+        resume = {"resume_from": f"{CHAIN_FOLDER}/last.ckpt"} if k else {}
+        checks = ["last_checkpoint_every_step", f"fail_save:{where}:{k + 2}"]
+        checks += ["save_beside_resumed", "checkpoint_folder_at_start"] if k else []
+        runs.append(run(f"fail_{where}", steps=k + 2, checks=checks, expect_error=True, **resume))
+    beside = ["last_checkpoint_every_step", "save_beside_resumed", "checkpoint_folder_at_start"]
+    runs.append(run("after_failures", steps=7, checks=beside, resume_from=f"{CHAIN_FOLDER}/last.ckpt"))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, crashed):
+def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("checkpoint")
     single = workdir / "single_device_step3.ckpt"
     reference_run(run("single", epochs=1, model=SINGLE_MODEL), save_to=str(single))
@@ -74,10 +79,8 @@ def results(tmp_path_factory, crashed):
         run("resume_p4", layout="p4_dp1_v1", resume_from="half/end.ckpt"),
         run("resume_dp4", layout="p1_dp4_v2", resume_from="half/end.ckpt"),
         run("from_single_device", model=SINGLE_MODEL, resume_from=str(single)),
+        *chain_runs(),
     ]
-    _, _, sharded, _, last = crashed
-    if sharded:  # the crashed run's last good checkpoint resumes, in this launch (the crash test fails without it)
-        runs.append(run("after_crash", steps=2, resume_from=str(last)))
     return workdir, launch(runs, 4, workdir, timeout=600)
 
 
@@ -117,7 +120,7 @@ def test_checkpoint_is_a_dcp_folder_with_module_names(results):
     path = workdir / "out" / "half" / "end.ckpt"
     assert is_sharded_checkpoint(path)
     assert checkpoint_keys(path) == {"model", "optimizer_0"}
-    meta = torch.load(path / "meta.pt", weights_only=False)
+    meta = torch.load(path / "meta.pt", weights_only=True)  # what it stores loads with torch's default
     assert meta["global_step"] == 3 and meta["lr_schedulers"] and "hyper_parameters" in meta
 
 
@@ -148,13 +151,48 @@ def test_single_device_checkpoint_resumes_under_the_pipeline(results):
     assert max(relative_error(resumed.params[k], ref_params[k]) for k in ref_params) < 1e-5
 
 
-def test_a_crash_while_saving_keeps_the_last_good_checkpoint(crashed, results):
-    proc, names, sharded, step, _ = crashed
-    assert proc.returncode != 0 and "injected failure" in proc.stderr
-    assert sharded
-    assert step == 1  # step 2 never replaced it
-    assert names == ["last.ckpt"]  # no half-written folder left behind
-    # and it resumes
-    _, res = results
-    assert res["after_crash"].ranks[0]["holdings"]["counters"]["global_step"] == 2
-    assert len(res["after_crash"].steps(0)) == 1
+def _agreed_error(result) -> str:
+    errors = {rank["error"] for rank in result.ranks}
+    assert len(errors) == 1, f"ranks disagree: {errors}"
+    return errors.pop()
+
+
+def test_a_save_failing_at_any_point_leaves_a_checkpoint_that_resumes_and_no_staging_folder(results):
+    """Each failure stops every rank with one agreed `CheckpointError` (not one rank's crash, which had the
+    failure watchdog stop rank 0 before it removed `last.ckpt.tmp`: the "write" failure keeps rank 0 in that
+    cleanup for 3 s), leaves what the next run resumes from and no staging folder, and the next save at the
+    same path succeeds."""
+    workdir, res = results
+    folder = workdir / "out" / CHAIN_FOLDER
+    last = folder / "last.ckpt"
+    unchanged = f"BFPPStrategy could not save the checkpoint {last}; the previous one there is unchanged: "
+    errors = {
+        "plan": unchanged + "rank 1 failed: OSError: injected failure (plan) on rank 1",
+        "write": unchanged + "rank 1 failed: OSError: injected failure (write) on rank 1",
+        "metadata": unchanged + "rank 0 failed: OSError: injected failure (metadata) on rank 0",
+        "between_renames": f"BFPPStrategy could not put the new checkpoint in place at {last}: rank 0 failed:"
+        " OSError: injected failure (between_renames) on rank 0",
+        "after_renames": f"rank 0 failed: BFPPStrategy saved the checkpoint {last}, but could not remove the"
+        " previous one beside it, last.ckpt.old (OSError: injected failure (after_renames) on rank 0)",
+    }
+    for where in CHAIN:
+        error = _agreed_error(res[f"fail_{where}"])
+        assert error.startswith(f"CheckpointError: {errors[where]}"), (where, error)
+    # what each failure left, read by the next run before it loaded or saved anything: (folder, resumed at)
+    left = {
+        "write": ({"last.ckpt": 1}, 1),  # after "plan": the step-1 checkpoint, untouched
+        "metadata": ({"last.ckpt": 2}, 2),  # after "write", whose staging folder rank 0 removed in its 3 s
+        "between_renames": ({"last.ckpt": 3}, 3),  # after "metadata": DCP's files were written, then removed
+        "after_renames": ({"last.ckpt.old": 4}, 4),  # the previous one, moved aside; loading falls back to it
+    }
+    for where, (held, step) in left.items():
+        record = json.loads((workdir / "out" / f"fail_{where}" / "checkpoint_folder.json").read_text())
+        assert record == {"held": held, "resumed_at": step}, where
+    record = json.loads((workdir / "out" / "after_failures" / "checkpoint_folder.json").read_text())
+    # the new checkpoint was in place; the previous one stayed beside it, which the next save removes
+    assert record == {"held": {"last.ckpt": 6, "last.ckpt.old": 5}, "resumed_at": 6}
+    final = res["after_failures"]
+    assert [s["step"] for s in final.steps(0)] == [7]
+    assert {p.name: torch.load(p / "meta.pt", weights_only=True)["global_step"] for p in folder.iterdir()} == {
+        "last.ckpt": 7
+    }
