@@ -14,6 +14,7 @@ layouts, after the kills, and from broken checkpoints prepared by the test from 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_bfpp.engine.checkpoint import LOADER_STATES_KEY, METADATA_FILENAME, is_sharded_checkpoint
+from lightning_bfpp.engine.checkpoint import LOADER_STATES_KEY, METADATA_FILENAME
 from tests.distributed.harness import load_results, relative_error, run_worker
 from tests.models import RunSpec, reference_run
 
@@ -127,8 +128,10 @@ def runs(tmp_path_factory):
         for kind in LOADERS
     ]
     launch_b.append(spec("stateful_dp1", 6, dp=1, resume_from=str(a_out / "stateful_half" / CHECKPOINT)))
-    for name, (workdir, _) in crashes.items():
-        launch_b.append(spec(f"after_{name}", 6, dp=1, resume_from=str(workdir / "out" / name / CHECKPOINT)))
+    for name, (workdir, _) in crashes.items():  # each resumes what its kill left and saves there again
+        saving = ["last_checkpoint_every_step", "save_beside_resumed", "checkpoint_folder_at_start"]
+        resume = str(workdir / "out" / name / CHECKPOINT)
+        launch_b.append(spec(f"after_{name}", 6, dp=1, resume_from=resume, checks=saving))
     fail = {"fail_metadata": {"rank": 0, "step": 2}}
     launch_b.append(
         spec("meta_write_fails", 3, dp=1, checks=["last_checkpoint_every_step"], data=fail, expect_error=True)
@@ -200,7 +203,8 @@ def test_stateful_loaders_resume_mid_epoch_exactly(kind, runs):
 
 @pytest.mark.parametrize("kind", ["stream", "noisy"])
 def test_every_replica_keeps_its_own_loader_state(kind, runs):
-    meta = torch.load(runs["work_a"] / "out" / f"{kind}_half" / CHECKPOINT / METADATA_FILENAME, weights_only=False)
+    # loads with torch's default: the loaders' states are plain values and tensors
+    meta = torch.load(runs["work_a"] / "out" / f"{kind}_half" / CHECKPOINT / METADATA_FILENAME, weights_only=True)
     stored = meta[LOADER_STATES_KEY]
     assert stored["data_parallel_size"] == 2 and len(stored["states"]) == 2
     dataset_states = [states[0]["dataset_state"] for states in stored["states"]]
@@ -287,24 +291,35 @@ def _resumed_equals_uninterrupted(result, reference):
     assert worst(result.params, reference.params) < TOL
 
 
+def _left_by_the_kill(runs, name) -> dict[str, Any]:
+    """What the killed run's checkpoint folder held when the run resuming it started (each folder's
+    `global_step`, None without meta.pt), recorded before it loaded or saved anything."""
+    return json.loads((runs["work_b"] / "out" / f"after_{name}" / "checkpoint_folder.json").read_text())["held"]
+
+
+def _saved_there_again(ckpts: Path) -> None:
+    """The resumed run's saves at the same path succeeded over what the kill left, and nothing else is there."""
+    held = {p.name: torch.load(p / METADATA_FILENAME, weights_only=True)["global_step"] for p in ckpts.iterdir()}
+    assert held == {"last.ckpt": 6}
+
+
 def test_sigkill_inside_the_dcp_write_keeps_the_previous_checkpoint(runs, straight_reference):
     ckpts = _killed(runs, "in_dcp_write", rank=1)
-    last = ckpts / "last.ckpt"
-    assert is_sharded_checkpoint(last)
-    assert torch.load(last / METADATA_FILENAME, weights_only=False)["global_step"] == 3
+    held = _left_by_the_kill(runs, "in_dcp_write")
+    assert held["last.ckpt"] == 3
     # the unfinished save is gone (a survivor cleaned up) or left without meta.pt, never swapped in
-    assert {p.name for p in ckpts.iterdir()} <= {"last.ckpt", "last.ckpt.tmp"}
-    assert not (ckpts / "last.ckpt.tmp" / METADATA_FILENAME).exists()
+    assert set(held) <= {"last.ckpt", "last.ckpt.tmp"} and held.get("last.ckpt.tmp") is None
     _resumed_equals_uninterrupted(runs["b"]["after_in_dcp_write"], straight_reference)
+    _saved_there_again(ckpts)
 
 
 def test_sigkill_between_the_renames_falls_back_to_the_old_checkpoint(runs, straight_reference):
     ckpts = _killed(runs, "between_renames", rank=0)
-    assert not (ckpts / "last.ckpt").exists()
-    old = ckpts / "last.ckpt.old"
-    assert torch.load(old / METADATA_FILENAME, weights_only=False)["global_step"] == 3
+    # the previous checkpoint moved aside, and the new one still in the staging folder, which loading never reads
+    assert _left_by_the_kill(runs, "between_renames") == {"last.ckpt.old": 3, "last.ckpt.tmp": 4}
     assert f"{ckpts / 'last.ckpt'} does not exist, but last.ckpt.old beside it does" in runs["out_b"]
     _resumed_equals_uninterrupted(runs["b"]["after_between_renames"], straight_reference)
+    _saved_there_again(ckpts)
 
 
 # -- failures every rank agrees on -----------------------------------------------------------------
@@ -322,7 +337,7 @@ def test_metadata_write_failing_on_rank_zero_fails_every_rank(runs):
     assert "rank 0 failed: OSError: injected failure: no space left on device while writing meta.pt" in error
     ckpts = runs["work_b"] / "out" / "meta_write_fails" / "ckpts"
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]  # the staging folder was removed
-    assert torch.load(ckpts / "last.ckpt" / METADATA_FILENAME, weights_only=False)["global_step"] == 1
+    assert torch.load(ckpts / "last.ckpt" / METADATA_FILENAME, weights_only=True)["global_step"] == 1
 
 
 @pytest.mark.parametrize(
