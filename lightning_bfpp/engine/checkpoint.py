@@ -180,7 +180,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _Reader(dcp.FileSystemReader):
     """DCP's reader, with ``weights_only``: the ``.metadata`` pickle must name only what DCP writes there
-    before DCP unpickles it."""
+    before DCP unpickles it (the index is small: read once to check, once by DCP)."""
 
     def __init__(self, path: Path, *, weights_only: bool) -> None:
         super().__init__(path)
