@@ -34,9 +34,9 @@ import torch
 from lightning_bfpp.measure.calibrate import calibrate, one_thread, run_emulated, run_emulated_auto
 from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
+from lightning_bfpp.plan import Plan, simulate
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.simulate import PlanConfig, simulate
 
 MODEL = EmulatedModel(layers=16, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=4096)
 # 2 MiB of fp32 weights per layer: gathers and reductions that take time against the compute
@@ -47,51 +47,51 @@ SPLIT = replace(MODEL, backward_ms=10.0, weight_grad_ms=10.0)
 WIDE = replace(MODEL, activation_numel=1 << 16)
 LARGE_SPLIT = replace(LARGE, backward_ms=10.0, weight_grad_ms=10.0)
 LARGE_WIDE = replace(LARGE, activation_numel=1 << 16)
-CONFIGS: dict[int, list[tuple[PlanConfig, EmulatedModel]]] = {
+CONFIGS: dict[int, list[tuple[Plan, EmulatedModel]]] = {
     4: [
-        (PlanConfig("breadth_first", 4, 1, 2, 4, 1), MODEL),
-        (PlanConfig("breadth_first", 4, 1, 2, 8, 1), MODEL),
-        (PlanConfig("depth_first", 4, 1, 2, 8, 1), MODEL),
-        (PlanConfig("1f1b", 4, 1, 1, 8, 1), MODEL),
-        (PlanConfig("gpipe", 4, 1, 1, 4, 1), MODEL),
-        (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard"), MODEL),
-        (PlanConfig("depth_first", 2, 2, 2, 8, 1, "full_shard"), MODEL),
-        (PlanConfig("breadth_first", 2, 2, 4, 4, 1, "no_shard"), MODEL),
-        (PlanConfig("breadth_first", 4, 1, 2, 4, 1), SPLIT),
-        (PlanConfig("breadth_first_zb", 4, 1, 2, 4, 1), SPLIT),
-        (PlanConfig("breadth_first_zb", 2, 2, 2, 4, 1, "full_shard"), SPLIT),
-        (PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), MODEL),
-        (PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), WIDE),
-        (PlanConfig("breadth_first", 4, 1, 2, 4, 1), WIDE),
+        (Plan("breadth_first", 4, 1, 2, 4, 1), MODEL),
+        (Plan("breadth_first", 4, 1, 2, 8, 1), MODEL),
+        (Plan("depth_first", 4, 1, 2, 8, 1), MODEL),
+        (Plan("1f1b", 4, 1, 1, 8, 1), MODEL),
+        (Plan("gpipe", 4, 1, 1, 4, 1), MODEL),
+        (Plan("breadth_first", 2, 2, 2, 4, 1, "full_shard"), MODEL),
+        (Plan("depth_first", 2, 2, 2, 8, 1, "full_shard"), MODEL),
+        (Plan("breadth_first", 2, 2, 4, 4, 1, "no_shard"), MODEL),
+        (Plan("breadth_first", 4, 1, 2, 4, 1), SPLIT),
+        (Plan("breadth_first_zb", 4, 1, 2, 4, 1), SPLIT),
+        (Plan("breadth_first_zb", 2, 2, 2, 4, 1, "full_shard"), SPLIT),
+        (Plan("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), MODEL),
+        (Plan("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2), WIDE),
+        (Plan("breadth_first", 4, 1, 2, 4, 1), WIDE),
     ],
     8: [
-        (PlanConfig("breadth_first", 8, 1, 2, 8, 1), MODEL),
-        (PlanConfig("depth_first", 8, 1, 2, 16, 1), MODEL),
-        (PlanConfig("1f1b", 8, 1, 1, 8, 1), MODEL),
-        (PlanConfig("gpipe", 8, 1, 1, 8, 1), MODEL),
-        (PlanConfig("breadth_first", 4, 2, 2, 4, 1, "full_shard"), LARGE),
-        (PlanConfig("depth_first", 4, 2, 2, 8, 1, "full_shard"), LARGE),
-        (PlanConfig("1f1b", 4, 2, 1, 4, 1, "full_shard"), LARGE),
-        (PlanConfig("gpipe", 4, 2, 1, 4, 1, "full_shard"), LARGE),
-        (PlanConfig("breadth_first", 2, 4, 4, 4, 1, "full_shard"), LARGE),
-        (PlanConfig("breadth_first", 4, 2, 2, 4, 1, "shard_grad_op"), LARGE),
-        (PlanConfig("breadth_first_zb", 4, 2, 2, 4, 1, "full_shard"), LARGE_SPLIT),
-        (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE),
-        (PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE_WIDE),
+        (Plan("breadth_first", 8, 1, 2, 8, 1), MODEL),
+        (Plan("depth_first", 8, 1, 2, 16, 1), MODEL),
+        (Plan("1f1b", 8, 1, 1, 8, 1), MODEL),
+        (Plan("gpipe", 8, 1, 1, 8, 1), MODEL),
+        (Plan("breadth_first", 4, 2, 2, 4, 1, "full_shard"), LARGE),
+        (Plan("depth_first", 4, 2, 2, 8, 1, "full_shard"), LARGE),
+        (Plan("1f1b", 4, 2, 1, 4, 1, "full_shard"), LARGE),
+        (Plan("gpipe", 4, 2, 1, 4, 1, "full_shard"), LARGE),
+        (Plan("breadth_first", 2, 4, 4, 4, 1, "full_shard"), LARGE),
+        (Plan("breadth_first", 4, 2, 2, 4, 1, "shard_grad_op"), LARGE),
+        (Plan("breadth_first_zb", 4, 2, 2, 4, 1, "full_shard"), LARGE_SPLIT),
+        (Plan("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE),
+        (Plan("breadth_first", 2, 2, 2, 4, 1, "full_shard", tensor_parallel_size=2), LARGE_WIDE),
     ],
 }
 
 # "auto" with tensor groups of 2 at 4 processes: the layouts it chooses between, and the models
-AUTO_TENSOR = PlanConfig("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2)
+AUTO_TENSOR = Plan("breadth_first", 2, 1, 2, 4, 1, tensor_parallel_size=2)
 AUTO_MODELS = [replace(MODEL, per_sample=True), replace(WIDE, per_sample=True)]
 
 # --topology: 4 processes as 2 nodes × 2, one global batch of 8 samples, two models of 8 layers
 LONG = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=16_384, activation_numel=1 << 18)
 SHORT = EmulatedModel(layers=8, forward_ms=10.0, backward_ms=20.0, param_numel=1 << 19, activation_numel=4096)
 TOPOLOGY = [
-    PlanConfig("breadth_first", 2, 2, 2, 4, 1, "full_shard"),  # a pipeline per node, replicas across nodes
-    PlanConfig("breadth_first", 1, 4, 2, 2, 1, "hybrid_shard"),  # no pipeline: shard in a node, replicate across
-    PlanConfig("weight_passing", 1, 4, 4, 2, 1),  # one chunk per rank, TawPipe's placement and transfers
+    Plan("breadth_first", 2, 2, 2, 4, 1, "full_shard"),  # a pipeline per node, replicas across nodes
+    Plan("breadth_first", 1, 4, 2, 2, 1, "hybrid_shard"),  # no pipeline: shard in a node, replicate across
+    Plan("weight_passing", 1, 4, 4, 2, 1),  # one chunk per rank, TawPipe's placement and transfers
 ]
 TOPOLOGY_MODELS = {
     "long sequence: 1 MiB activations per sample, 64 KiB weights per layer": LONG,

@@ -12,6 +12,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ class ModelSpec:
     scheduler: str = "none"  # "step": StepLR stepped per optimizer step; "epoch": ExponentialLR per epoch
     # "labelled": predict_step also returns per-sample label strings and a batch-level constant
     predict_output: str = "tensors"
+    # parameters (or modules, by name prefix) that do not train: requires_grad=False after construction
+    frozen: tuple[str, ...] = ()
 
 
 class LayerStack(L.LightningModule):
@@ -85,6 +88,11 @@ class LayerStack(L.LightningModule):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def is_frozen(name: str, frozen: Sequence[str]) -> bool:
+    """Whether parameter ``name`` is one of ``frozen`` or inside a module named there."""
+    return any(name == f or name.startswith(f + ".") for f in frozen)
 
 
 class PipeNet(L.LightningModule):
@@ -103,6 +111,9 @@ class PipeNet(L.LightningModule):
             self.train_mae, self.val_mae, self.test_mae = MeanAbsoluteError(), MeanAbsoluteError(), MeanAbsoluteError()
         if s.strided:
             self.transpose = Transpose()
+        for name, param in self.named_parameters():
+            if is_frozen(name, s.frozen):
+                param.requires_grad_(False)
 
     def pipeline_layers(self) -> list[nn.Module]:
         tail = [self.transpose] if self.spec.strided else []

@@ -112,7 +112,7 @@ class RankState(L.Callback):
         }
         if strategy.config.schedule == "weight_passing":
             for stage, stage_module in enumerate(strategy.pipeline.stage_modules):
-                for name, layer in zip(strategy.stage_plan.stage_layers(stage), stage_module.layers, strict=True):
+                for name, layer in zip(strategy.plan.stage_layers(stage), stage_module.layers, strict=True):
                     inner = layer.layer if isinstance(layer, Recompute) else layer
                     for buffer_name, buffer in inner.named_buffers():
                         state["chunk_buffers"][f"{name}.{buffer_name}"] = buffer.detach().clone()

@@ -1,7 +1,7 @@
 """bfpp's data-parallel communication of one step, alone: the ``collectives`` kind of job.
 
 Each rank issues the weight gathers and gradient reductions its lowered breadth-first schedule holds
-(``lightning_bfpp.plan.schedule.lower``: an all-gather per ``UNSHARD``, a reduce-scatter per ``REDUCE_GRAD``), in
+(``lightning_bfpp.plan.Plan.lowered``: an all-gather per ``UNSHARD``, a reduce-scatter per ``REDUCE_GRAD``), in
 the schedule's order, with a stage's sizes (its layers' fp32 weights, sharded over the data-parallel group)
 and on the same data-parallel groups of the same (data × pipeline) mesh as the pipelined job, but with no
 compute, no pipeline transfers and no FSDP2 around them (no copy into or out of the flat buffers, which
@@ -23,14 +23,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from benchmarks.suite.instrument import StepClock
 from benchmarks.suite.spec import Job
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL
-from lightning_bfpp.plan.schedule import REDUCE_GRAD, UNSHARD, generate, lower
+from lightning_bfpp.plan import Plan
+from lightning_bfpp.plan.actions import REDUCE_GRAD, UNSHARD
 
 MODES = ("waited", "async")
 
 
 def step_plan(job: Job, pipeline_rank: int) -> list[str]:
     """This pipeline rank's collectives of one step, in order: ``"gather"`` or ``"reduce"``."""
-    lowered = lower(generate("breadth_first", job.p, job.v, job.m), job.sharding, job.m, prefetch=job.prefetch_stages)
+    plan = Plan(
+        "breadth_first", job.p, job.dp, job.v, job.m, sharding=job.sharding, prefetch_stages=job.prefetch_stages
+    )
+    lowered = plan.lowered()
     kinds = {UNSHARD: "gather", REDUCE_GRAD: "reduce"}
     return [kinds[a.kind] for a in lowered[pipeline_rank] if a.kind in kinds]
 

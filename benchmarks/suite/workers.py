@@ -5,7 +5,7 @@ into stages the same way (``balance_by_weight`` over parameter counts, as ``BFPP
 same loss and optimizer, and mark their steps with the same :class:`~benchmarks.suite.instrument.StepClock`:
 
 - ``bfpp``: ``BFPPStrategy`` through a Lightning ``Trainer`` (what a user runs);
-- ``bfpp_hand``: the schedule bfpp generates and lowers (``lightning_bfpp.plan.schedule``), sharded per stage by
+- ``bfpp_hand``: the schedule bfpp generates and lowers (its :class:`lightning_bfpp.plan.Plan`), sharded per stage by
   ``lightning_bfpp.engine.sharding.shard_stage`` and executed by
   ``lightning_bfpp.engine.runtime.PlannedSchedule``, driven
   by a plain loop: Lightning's share of the step is the difference with ``bfpp``;
@@ -56,8 +56,9 @@ from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage
 from lightning_bfpp.engine.trace import StepTracer
-from lightning_bfpp.plan.partition import balance_by_weight, rank_stages
-from lightning_bfpp.plan.schedule import generate, lower, validate
+from lightning_bfpp.plan import Plan, get_schedule
+from lightning_bfpp.plan.partition import balance_by_weight
+from lightning_bfpp.plan.placement import LOOP, V
 
 CPU = torch.device("cpu")
 
@@ -167,13 +168,16 @@ class _Stages:
 
 
 def stage_indices(job: Job, pipeline_rank: int) -> list[int]:
-    """The stages ``pipeline_rank`` holds: looping (``r, r + p, …``), or for torch's V schedules ``r`` and
-    ``2p − 1 − r`` (``ScheduleZBVZeroBubble`` maps stages so, and needs exactly two per rank)."""
+    """The stages ``pipeline_rank`` holds: as bfpp's schedule kind places them, or for torch's schedules looping
+    (``r, r + p, …``), or for its V schedules ``r`` and ``2p − 1 − r`` (``ScheduleZBVZeroBubble`` maps stages so,
+    and needs exactly two per rank)."""
     if job.kind == "torch" and job.schedule in V_SCHEDULES:
         if job.v != 2:
             raise ValueError(f"torch's {job.schedule} places exactly 2 stages per rank in a V; the job has v={job.v}")
-        return [pipeline_rank, 2 * job.p - 1 - pipeline_rank]
-    return list(rank_stages(pipeline_rank, job.p, job.v))
+        return list(V.stages_of(pipeline_rank, job.p, 2))
+    if job.kind in ("bfpp", "bfpp_hand"):
+        return list(get_schedule(job.schedule).placement.stages_of(pipeline_rank, job.p, job.v))
+    return list(LOOP.stages_of(pipeline_rank, job.p, job.v))
 
 
 class _Spans:
@@ -189,8 +193,11 @@ class _Spans:
         self.warmup = job.warmup
 
     def recording(self, step: int, schedule: Any) -> AbstractContextManager[None]:
-        traced = self.tracer is not None and step >= self.warmup
-        return self.tracer.recording(schedule) if traced else nullcontext()  # type: ignore[union-attr]
+        if self.tracer is None or step < self.warmup:
+            return nullcontext()
+        if isinstance(schedule, PlannedSchedule):
+            return self.tracer.recording(schedule)
+        return self.tracer.recording_torch(schedule)  # one of torch's own schedule classes
 
     def optimizer(self, step: int, start: float) -> None:
         if self.tracer is not None and step >= self.warmup:
@@ -213,8 +220,7 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
     exchange = job.dp > 1 and job.sharding != "none"  # "none": replicas that never exchange gradients
     mesh = here.mesh[DATA_PARALLEL]
     modules = [shard_stage(module, mesh, job.sharding) if exchange else module for module in here.modules]
-    compute = generate(job.schedule, job.p, job.v, job.m)
-    validate(compute, job.p, job.v, job.m)
+    plan = Plan(job.schedule, job.p, job.dp, job.v, job.m, sharding=job.sharding, prefetch_stages=job.prefetch_stages)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return parts.loss(output, target) / job.m  # bfpp scales each micro-batch's loss, torch's grads (same thing)
@@ -222,10 +228,10 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
     stages = build_stages(modules, here.indices, here.num_stages, CPU, here.mesh[PIPELINE_PARALLEL].get_group())
     schedule = PlannedSchedule(
         stages,
-        lower(compute, job.sharding, job.m) if exchange else compute,  # as Pipeline.lowered_schedule does
+        plan.lowered() if exchange else plan.compute,  # as Pipeline.lowered_schedule does
         job.m,
         loss_fn,
-        pipeline_parallel_size=job.p,
+        stage_to_rank=plan.stage_to_rank(),
         backward=True,
         early_receives=job.early_receives,
     )
@@ -305,7 +311,7 @@ def _stage_compute(job: Job, rank: int, barrier: Barrier | None) -> dict[str, An
     parts = model_parts(job)
     num_stages = job.p * job.v
     stages = _cut(parts, num_stages)
-    mine = rank_stages(rank, job.p, job.v)
+    mine = LOOP.stages_of(rank, job.p, job.v)
     last = num_stages - 1
     steps: list[list[dict[str, Any]]] = []  # per step, per micro-batch: each of this rank's stages' input
     for inputs, targets in _batches(job, parts, 0):

@@ -1,11 +1,13 @@
-"""``pipeline_parallel_size="auto"`` and ``partition="time"``: layouts from a measured profile.
+"""``pipeline_parallel_size="auto"``, ``schedule="auto"`` and ``partition="time"``: layouts from a measured profile.
 
 At setup, global rank 0 measures the module's layers on its device with one real training batch
 (:mod:`lightning_bfpp.measure.profile`), describes the machine (:class:`~lightning_bfpp.plan.cluster.Cluster`,
-given or derived from the devices), simulates every feasible pipeline size (and, where they are
-``"auto"`` too, stages per rank and micro-batch counts) for the configured schedule and sharding, and
-broadcasts the fastest to every rank; all ranks then build the same mesh. ``partition="time"`` measures the
-same way and broadcasts each layer's forward + backward time, which the partitioner balances.
+given or derived from the devices, with ``memory_budget`` as its memory where given), simulates every feasible
+pipeline size (or the given one), schedule (with ``schedule="auto"``: every registered kind the other arguments
+allow) and, where they are ``"auto"`` too, stages per rank and micro-batch counts, for the configured sharding, and
+broadcasts the fastest that fits in memory to every rank; all ranks then build the same mesh.
+``partition="time"`` measures the same way and broadcasts each layer's forward + backward time, which the
+partitioner balances.
 
 With ``tensor_parallel_size=t > 1`` every tensor group (``t`` consecutive global ranks, a group in every
 layout) measures at once, each layer split by the module's own per-layer parallelisation
@@ -35,8 +37,9 @@ from lightning_bfpp.adapter._lightning_compat import request_train_dataloader
 from lightning_bfpp.engine.agreement import AgreedError
 from lightning_bfpp.engine.sharding import tensor_group_mesh
 from lightning_bfpp.plan.cluster import Cluster
-from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.config import AUTO, PipelineConfig
 from lightning_bfpp.plan.costs import ModelProfile
+from lightning_bfpp.plan.schedules import get_schedule, schedule_names
 from lightning_bfpp.plan.search import Candidate, SearchSpace, format_table, search_per_replica_batch
 
 # assumed when no `cluster=` is given; they decide only how communication weighs against compute
@@ -147,6 +150,35 @@ def layer_times(
     return box[0]
 
 
+def candidate_schedules(config: PipelineConfig) -> tuple[str, ...]:
+    """The schedules the planner may choose: the configured one, or with ``schedule="auto"`` every registered kind
+    that accepts the other arguments (its own up-front checks pass)."""
+    if config.schedule != AUTO:
+        return (config.schedule,)
+    allowed = []
+    for name in schedule_names():
+        try:
+            get_schedule(name).check_config(replace(config, schedule=name))
+        except ValueError:
+            continue
+        allowed.append(name)
+    return tuple(allowed)
+
+
+def search_space(config: PipelineConfig, pipeline_sizes: tuple[int, ...] | None) -> SearchSpace:
+    """What the planner varies for ``config``: what it leaves ``"auto"``, within what the arguments fix."""
+    return SearchSpace(
+        tensor_parallel_sizes=(config.tensor_parallel_size,),
+        schedules=candidate_schedules(config),
+        shardings=(config.sharding,),
+        mesh_orders=(config.mesh_order,),
+        pipeline_sizes=pipeline_sizes,
+        stages_per_rank=(1, 2, 4, 8) if config.stages_per_rank == AUTO else (config.stages_per_rank,),  # type: ignore[arg-type]
+        num_microbatches=None if config.num_microbatches == AUTO else (config.num_microbatches,),  # type: ignore[arg-type]
+        prefetch_stages=config.prefetch_stages,
+    )
+
+
 def _choose_here(
     config: PipelineConfig,
     module: LightningModule,
@@ -155,19 +187,12 @@ def _choose_here(
     profile: ModelProfile | None,
     device: torch.device,
     split: TensorSplit | None,
+    pipeline_sizes: tuple[int, ...] | None,
 ) -> tuple[Candidate, str] | Exception:
+    space = search_space(config, pipeline_sizes)
     if profile is None:
-        profile = measure_profile(module, trainer, device, split=split, split_backward=_zero_bubble(config))
-    batch = profile.microbatch_size
-    space = SearchSpace(
-        tensor_parallel_sizes=(config.tensor_parallel_size,),
-        schedules=(config.schedule,),
-        shardings=(config.sharding,),
-        mesh_orders=(config.mesh_order,),
-        stages_per_rank=(1, 2, 4, 8) if config.stages_per_rank == "auto" else (config.stages_per_rank,),
-        num_microbatches=None if config.num_microbatches == "auto" else (config.num_microbatches,),
-    )
-    candidates = search_per_replica_batch(profile, cluster, batch, space)
+        profile = measure_profile(module, trainer, device, split=split, split_backward=_splits_backward(space))
+    candidates = search_per_replica_batch(profile, cluster, profile.microbatch_size, space)
     feasible = [c for c in candidates if c.infeasible is None]
     if not feasible:
         return RuntimeError(
@@ -186,6 +211,7 @@ def choose(
     device: torch.device,
     is_global_zero: bool,
     parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
+    pipeline_sizes: tuple[int, ...] | None = None,
 ) -> tuple[Candidate, str]:
     """The fastest layout, decided on global rank 0 and identical on every rank, with the table behind it.
 
@@ -198,7 +224,7 @@ def choose(
     box: list[Any] = [None]
     if is_global_zero:
         try:
-            box[0] = _choose_here(config, module, trainer, cluster, profile, device, split)
+            box[0] = _choose_here(config, module, trainer, cluster, profile, device, split, pipeline_sizes)
         except Exception as error:  # measured and planned on rank 0 only: share the failure, never hang
             box[0] = RuntimeError(
                 f"BFPPStrategy(pipeline_parallel_size='auto'): planning on global rank 0 failed:"
@@ -207,16 +233,18 @@ def choose(
     elif split is not None:
         # global rank 0 meets any failure in the same place, and shares it
         with contextlib.suppress(Exception):
-            measure_profile(module, trainer, device, split=split, split_backward=_zero_bubble(config))
+            space = search_space(config, pipeline_sizes)
+            measure_profile(module, trainer, device, split=split, split_backward=_splits_backward(space))
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise AgreedError(str(box[0]))
     return box[0]
 
 
-def _zero_bubble(config: PipelineConfig) -> bool:
-    """Whether the layout planned splits each backward (and so needs the profile's weight-gradient times)."""
-    return config.schedule == "breadth_first_zb"
+def _splits_backward(space: SearchSpace) -> bool:
+    """Whether a schedule the planner may choose splits each backward (and so needs the profile's weight-gradient
+    times and what the input-gradient pass keeps)."""
+    return any(get_schedule(name).splits_backward for name in space.schedules)
 
 
 def _profile(given: ModelProfile | str | Path | None) -> ModelProfile | None:
@@ -237,11 +265,15 @@ def planned_config(
     is_global_zero: bool,
     info: Callable[[str], None],
     parallelize: Callable[[nn.Module, DeviceMesh], Any] | None = None,
+    pipeline_parallel_size: int | None = None,
+    memory_budget: int | None = None,
 ) -> tuple[PipelineConfig, Candidate]:
-    """``pipeline_parallel_size="auto"``: ``config`` with the layout the planner chose (the same on every rank),
-    and the planner's candidate for it (its predicted step and peak memory).
+    """``pipeline_parallel_size="auto"`` or ``schedule="auto"``: ``config`` with the layout the planner chose (the
+    same on every rank), and the planner's candidate for it (its predicted step and peak memory).
     ``parallelize``: the module's per-layer tensor parallelisation, which ``tensor_parallel_size > 1`` needs
-    (checked on every rank before any collective)."""
+    (checked on every rank before any collective). ``pipeline_parallel_size``: the pipeline size the mesh already
+    has (None: the planner chooses it). ``memory_budget``: bytes per device the choice must fit in (default: the
+    cluster's memory)."""
     given = _profile(profile)
     t = config.tensor_parallel_size
     if t > 1 and given is None and parallelize is None:
@@ -254,16 +286,13 @@ def planned_config(
     machine = load_cluster(cluster, world_size, processes_per_node, device)
     # the planner models the reductions the strategy will run
     machine = replace(machine, overlap_reductions=overlap_reductions)
-    best, table = choose(config, module, trainer, machine, given, device, is_global_zero, parallelize)
+    if memory_budget is not None:
+        machine = replace(machine, memory_bytes=int(memory_budget))
+    sizes = None if pipeline_parallel_size is None else (pipeline_parallel_size,)
+    best, table = choose(config, module, trainer, machine, given, device, is_global_zero, parallelize, sizes)
     chosen = best.config
-    info(f"BFPPStrategy(pipeline_parallel_size='auto') chose {chosen.describe()}:\n{table}")
-    return replace(
-        config,
-        pipeline_parallel_size=chosen.pipeline_parallel_size,
-        stages_per_rank=chosen.stages_per_rank,
-        num_microbatches=chosen.num_microbatches,
-        microbatch_group_size=chosen.microbatch_group_size,
-    ), best
+    info(f"BFPPStrategy: the planner chose {chosen.describe()}:\n{table}")
+    return replace(config, **chosen.kind.arguments(chosen)), best
 
 
 def resolved_partition(

@@ -25,7 +25,7 @@ class PipelineCollectives:
     ``ModelParallelStrategy``, whose collectives it calls once a call is allowed."""
 
     pipeline: Any
-    layout: Any
+    plan: Any
     device_mesh: Any
     world_size: int
     root_device: torch.device
@@ -61,8 +61,8 @@ class PipelineCollectives:
         if group is REDUCED_OVER_REPLICAS:
             return tensor
         self._refuse_inside_step("`trainer.strategy.reduce`")
-        if group is None and self.layout is not None and self.layout.data_parallel_size < self.world_size:
-            if self.layout.data_parallel_size == 1:
+        if group is None and self.plan is not None and self.plan.data_parallel_size < self.world_size:
+            if self.plan.data_parallel_size == 1:
                 return tensor
             group = self.device_mesh[DATA_PARALLEL].get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)

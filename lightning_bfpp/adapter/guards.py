@@ -23,7 +23,7 @@ SUPPORTED_PRECISION = {
 }
 
 
-def check_arguments(overlap_reductions: Any, trace_steps: Any, failure_timeout: Any) -> None:
+def check_arguments(overlap_reductions: Any, trace_steps: Any, failure_timeout: Any, memory_budget: Any = None) -> None:
     if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
         raise ValueError(
             "BFPPStrategy: `overlap_reductions` must be a bool, 'auto', 'stream' or 'thread', got"
@@ -36,6 +36,13 @@ def check_arguments(overlap_reductions: Any, trace_steps: Any, failure_timeout: 
     ):
         raise ValueError(
             f"BFPPStrategy: `failure_timeout` must be a positive number of seconds or None, got {failure_timeout!r}."
+        )
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
+    ):
+        raise ValueError(
+            "BFPPStrategy: `memory_budget` is the bytes per device the planner's choice must fit in: a positive int"
+            f" (e.g. 40 * 2**30) or None, got {memory_budget!r}."
         )
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
@@ -46,12 +45,12 @@ from lightning_bfpp.adapter.summary import WholeModelSummary
 from lightning_bfpp.adapter.user_step import LightningStep
 from lightning_bfpp.engine import _compat, clipping, reductions
 from lightning_bfpp.engine import checkpoint as engine_checkpoint
-from lightning_bfpp.engine.agreement import AgreedError, PipelineAgreedError, agree
-from lightning_bfpp.engine.build import Build, Placement, place, plan_stages
+from lightning_bfpp.engine.agreement import AgreedError, PipelineAgreedError
+from lightning_bfpp.engine.build import BuildContext, build_pipeline
 from lightning_bfpp.engine.cpu_threads import available_cores, share_cores
 from lightning_bfpp.engine.failures import FailureWatchdog, release_groups_at_exit, start_watchdog
 from lightning_bfpp.engine.frozen import NothingToTrain, set_up_unless_all_frozen
-from lightning_bfpp.engine.layers import compile_options, pipeline_layers, recompute_policy
+from lightning_bfpp.engine.layers import compile_options, layer_weights, pipeline_layers, recompute_policy
 from lightning_bfpp.engine.pipeline import Pipeline, StepResult
 from lightning_bfpp.engine.random_state import shared_base_seed
 from lightning_bfpp.engine.sharding import (
@@ -65,9 +64,10 @@ from lightning_bfpp.engine.sharding import (
 from lightning_bfpp.engine.tied import TiedParameters
 from lightning_bfpp.engine.trace import TraceSession
 from lightning_bfpp.plan.cluster import Cluster
-from lightning_bfpp.plan.config import Auto, Layout, MeshShape, PartitionSpec, PipelineConfig
+from lightning_bfpp.plan.config import Auto, PartitionSpec, PipelineConfig
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.partition import StagePlan
+from lightning_bfpp.plan.mesh import MeshShape
+from lightning_bfpp.plan.plan import Plan
 from lightning_bfpp.plan.search import Candidate
 
 if TYPE_CHECKING:
@@ -87,13 +87,17 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         stages_per_rank: stages each pipeline rank holds (``v``); stage ``s`` lives on rank ``s mod p``.
             ``"auto"``: 2 if the model has at least ``2p`` layers, else 1.
         num_microbatches: micro-batches each batch is split into (``m``). ``"auto"``: ``p``.
-        schedule: ``"breadth_first"`` (all micro-batches through one local stage before the next; the
-            default), ``"breadth_first_zb"`` (breadth-first with the backward split into input and weight
-            gradients, the weight gradients placed where the rank would wait: zero-bubble's split in breadth-first's
-            sweeps), ``"depth_first"`` (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage
-            per rank), or ``"weight_passing"`` (TawPipe: no pipeline; every rank trains on its own
-            micro-batches through the whole model while the layers, cut into one chunk per rank and each owned
-            by one rank, travel to it along the node topology; see :mod:`lightning_bfpp.engine.weight_passing`).
+        schedule: a registered schedule (:func:`lightning_bfpp.plan.schedule_names`): ``"breadth_first"`` (all
+            micro-batches through one local stage before the next; the default), ``"breadth_first_zb"``
+            (breadth-first with the backward split into input and weight gradients, the weight gradients placed
+            where the rank would wait: zero-bubble's split in breadth-first's sweeps), ``"depth_first"``
+            (Megatron's interleaved 1F1B), ``"gpipe"`` or ``"1f1b"`` (one stage per rank), ``"interleaved_zb"``
+            (torch's interleaved zero bubble, ZB-H1), ``"zbv"`` (zero bubble with two stages per rank in a V), or
+            ``"weight_passing"`` (TawPipe: no pipeline; every rank trains on its own micro-batches through the
+            whole model while the layers, cut into one chunk per rank and each owned by one rank, travel to it
+            along the node topology; see :mod:`lightning_bfpp.engine.weight_passing`); or ``"auto"``: the
+            planner measures the model and chooses the fastest schedule the other arguments allow (with
+            ``stages_per_rank``, ``num_microbatches`` and ``pipeline_parallel_size`` where those are ``"auto"``).
         microbatch_group_size: for ``"depth_first"``, micro-batches per stage visit, from ``p``
             (depth-first, the default) to ``m`` (Megatron's breadth-first end of the same order).
         mesh_order: ``"data_pipeline"`` puts a pipeline's ranks on consecutive global ranks (inside a
@@ -145,6 +149,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             and memory with assumed link bandwidths.
         plan_profile: for ``"auto"``, the model's costs (a ``ModelProfile`` or its JSON) instead of
             measuring them; needed for models created on the meta device.
+        memory_budget: for ``"auto"``, the bytes per device the chosen layout's predicted peak must fit in
+            (weights, gradients, optimizer state, gathered stages and activations); default: the cluster's memory.
         trace: a folder to write timelines of the first ``trace_steps`` training steps to: per step a Chrome
             trace (open it in Perfetto), a PNG with one row per rank, and a per-rank summary (busy, bubble,
             communication). Off (``None``) by default, and then nothing is recorded.
@@ -163,7 +169,15 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
         schedule: Literal[
-            "breadth_first", "breadth_first_zb", "depth_first", "gpipe", "1f1b", "weight_passing"
+            "breadth_first",
+            "breadth_first_zb",
+            "depth_first",
+            "gpipe",
+            "1f1b",
+            "interleaved_zb",
+            "zbv",
+            "weight_passing",
+            "auto",
         ] = "breadth_first",
         sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
@@ -181,12 +195,13 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         trace_steps: int = 4,
         cluster: Cluster | str | Path | None = None,
         plan_profile: ModelProfile | str | Path | None = None,
+        memory_budget: int | None = None,
         failure_timeout: float | None = 30.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         _compat.check_torch_version()
-        guards.check_arguments(overlap_reductions, trace_steps, failure_timeout)
+        guards.check_arguments(overlap_reductions, trace_steps, failure_timeout, memory_budget)
         self.config = PipelineConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             stages_per_rank=stages_per_rank,
@@ -208,13 +223,13 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self._compile = compile_options(compile)
         self.overlap_reductions = overlap_reductions
         self.failure_timeout = failure_timeout
-        self._plan_cluster, self._plan_profile = cluster, plan_profile
+        self._plan_cluster, self._plan_profile, self._memory_budget = cluster, plan_profile, memory_budget
         self.trace_dir = Path(trace) if trace is not None else None
         self.trace_steps = trace_steps
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.mesh_shape: MeshShape | None = None
-        self.layout: Layout | None = None
-        self.stage_plan: StagePlan | None = None
+        # what runs: resolved at setup from the arguments and the model's layers (see lightning_bfpp.plan.plan)
+        self.plan: Plan | None = None
         self.pipeline: Pipeline | None = None
         self.whole_model_summary: WholeModelSummary | None = None  # taken when the layers are split
         # pipeline_parallel_size="auto": the layout the planner chose, with its predicted step and memory
@@ -253,7 +268,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             )
         # tied weights as the module has them before `configure_model` (see guards.check_ties_kept)
         self._ties_before_configure = guards.shared_parameters(self.lightning_module) if self.lightning_module else []
-        planned = self.config.pipeline_parallel_size == "auto"
+        planned = self.config.pipeline_parallel_size == "auto"  # the mesh waits for the planner
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
         lc.setup_distributed(self)
@@ -343,68 +358,62 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         """Choose the layout, place this rank's stages, share the initial values, shard (see engine.build)."""
         device, zero, info = self.root_device, self.is_global_zero, rank_zero_info
         overlap = reductions.asked_for(self.overlap_reductions, device.type)
-        if self.mesh_shape is None:  # pipeline_parallel_size="auto"
+        if self.config.needs_planner:  # pipeline_parallel_size="auto" or schedule="auto"
             self.config, self.planned = auto.planned_config(
                 self.config, module, trainer, cluster=self._plan_cluster, profile=self._plan_profile,
                 overlap_reductions=overlap, world_size=self.world_size, processes_per_node=self.processes_per_node,
                 device=device, is_global_zero=zero, info=info,
                 parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
+                pipeline_parallel_size=None if self.mesh_shape is None else self.mesh_shape.pipeline_parallel_size,
+                memory_budget=self._memory_budget,
             )  # fmt: skip
-            self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
-            self._build_device_mesh()
+            if self.mesh_shape is None:
+                self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
+                self._build_device_mesh()
         self.config, layer_times = auto.resolved_partition(
             self.config, module, trainer, partition_given=self._partition_given, profile=self._plan_profile,
             device=device, is_global_zero=zero, info=info,
         )  # fmt: skip
         base_seed = shared_base_seed(lambda seed: self.broadcast(seed, src=0))
         mesh_shape = self.mesh_shape
+        assert mesh_shape is not None
         overlap_mode = reductions.overlap_mode(
             self.overlap_reductions, device.type, mesh_shape.data_parallel_size, self.config.sharding
         )
         reduce_group = None  # the communication thread's own group (a collective: every rank creates all)
         if overlap_mode == "thread":
             reduce_group = second_data_parallel_group(self.device_mesh, mesh_shape.shard_size)
-        placement = Placement(
-            self.config, mesh_shape, self.device_mesh, device, self.global_rank, self.world_size,
-            self.processes_per_node, sharding_mesh=self._sharding_mesh,
+        context = BuildContext(
+            self.device_mesh, device, self.global_rank, self.world_size, self.processes_per_node,
+            step_code=LightningStep(module), base_seed=base_seed, sharding_mesh=self._sharding_mesh,
             convert_module=self.precision_plugin.convert_module, recompute=self._recompute,
-            compile_options=self._compile, info=info, warn=rank_zero_warn,
-            parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
+            compile_options=self._compile, overlap=overlap_mode, reduce_group=reduce_group, info=info,
+            warn=rank_zero_warn, parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
             # a rank still waiting after this long is not coming: see Pipeline._agree_before_schedule
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )  # fmt: skip
 
-        def place_here() -> Build:  # checks the module on every rank; some (layer placement) differ between ranks
+        def layers_and_plan() -> tuple[list[tuple[str, nn.Module]], Plan]:
+            # checks the module on every rank; some (layer placement) differ between ranks
             guards.check_metrics(module)
             guards.check_ties_kept(self._ties_before_configure, module, mesh_shape.tensor_parallel_size)
             named = pipeline_layers(module)
-            self.layout, self.stage_plan = plan_stages(self.config, mesh_shape, named, layer_times)
-            self.whole_model_summary = WholeModelSummary.of(module, named, self.stage_plan)
+            names = [name for name, _ in named]
+            self.plan = self.config.resolve_plan(mesh_shape, layer_weights(named), layer_times, names)
+            self.whole_model_summary = WholeModelSummary.of(module, named, self.plan)
             full_names, trained_names = parameter_names(module)  # to read one-device optimizer states
             self._checkpoint_place = CheckpointPlace(
                 self.data_parallel_rank, mesh_shape.data_parallel_size, self.pipeline_rank, zero,
                 full_names, trained_names,
             )  # fmt: skip
-            return place(
-                module, named, self.layout, self.stage_plan, placement, step_code=LightningStep(module),
-                base_seed=base_seed, overlap=overlap_mode, reduce_group=reduce_group,
-            )  # fmt: skip
+            return named, self.plan
 
-        build = agree(place_here, "setting up the pipeline")
-        self.tied = build.tied
+        self.pipeline, self.tied = build_pipeline(module, layers_and_plan, context)
         assert self._checkpoint_place is not None
         self._checkpoint_place.aliases = self.tied.aliases
         # Lightning's summary callbacks print the whole model (this rank keeps only its stages' layers)
         lc.summarize_with(trainer.callbacks, self.whole_model_summary)  # type: ignore[attr-defined]
-        # collectives, so after the agreement: every replica takes data-parallel rank 0's initial values (FSDP2
-        # does not broadcast them as DDP does, see engine.initial_state), then the stages are sharded
-        build.pending.share()
-        self.pipeline = agree(build.pending.finish, "sharding the pipeline's stages")
         self._log_sync = LoggedValueSync(device)
-        # collectives, so after the agreement: every rank knows every tie and creates its groups in one order
-        self.tied.create_groups(self.device_mesh, PIPELINE_PARALLEL)
-        self.pipeline.executor.connect()
-        self.tied.broadcast_from_owner()
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -449,8 +458,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             tracer.add("step_sync", sync_start, tracer.now())
         lc.call_callback_hooks(trainer, "on_after_backward")
         lc.call_module_hook(trainer, "on_after_backward")
-        if tracer is not None and self._trace is not None and self.layout is not None:
-            self._trace.end_pipeline(trainer.global_step, self.layout.describe(self.config))
+        if tracer is not None and self._trace is not None and self.plan is not None:
+            self._trace.end_pipeline(trainer.global_step, self.plan.describe())
         return shared.loss
 
     def _share(self, result: StepResult) -> SharedStep:
@@ -481,11 +490,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         )
 
     def _pipeline_group(self) -> Any:
-        """The ranks a model's gradients are spread over (each chunk's owner alone under weight passing)."""
-        assert self.layout is not None
-        if self.config.schedule == "weight_passing":
-            return dist.group.WORLD if self.world_size > 1 else None
-        return self.device_mesh[PIPELINE_PARALLEL].get_group() if self.layout.pipeline_parallel_size > 1 else None
+        """The ranks a model's gradients are spread over beyond sharding (its executor's to say)."""
+        assert self.pipeline is not None
+        return self.pipeline.executor.gradient_group
 
     # -- evaluation --------------------------------------------------------------------------------
 
@@ -515,15 +522,16 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """The batch's predictions as one device returns them, on every rank of the pipeline that computed them."""
         result = self._eval_step("predict_step", self.precision_plugin.predict_step_context(), args)
-        group = self._pipeline_group() if self.config.schedule != "weight_passing" else None
+        assert self.pipeline is not None
+        group = self.pipeline.executor.output_group
         return predictions.batch_predictions(result, args[0], self.pipeline, self.root_device, group)
 
     @override
     def on_predict_end(self) -> None:
         """On global rank 0, replace the returned predictions by the whole dataset's, in dataset order."""
-        assert self.layout is not None and self.lightning_module is not None
+        assert self.plan is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        if self.layout.data_parallel_size > 1 and self.pipeline_rank == 0 and trainer.predict_loop.return_predictions:
+        if self.plan.data_parallel_size > 1 and self.pipeline_rank == 0 and trainer.predict_loop.return_predictions:
             group = self.device_mesh[DATA_PARALLEL].get_group()
             predictions.gather_in_dataset_order(trainer, group, self.data_parallel_rank, rank_zero_warn)
 

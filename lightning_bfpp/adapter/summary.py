@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
 
-from lightning_bfpp.plan.partition import StagePlan
+from lightning_bfpp.plan.plan import Plan
 
 __all__ = ["LayerRow", "WholeModelSummary"]
 
@@ -46,9 +46,9 @@ class WholeModelSummary:
         cls,
         module: nn.Module,
         named: Sequence[tuple[str, nn.Module]],
-        plan: StagePlan,
+        plan: Plan,
     ) -> WholeModelSummary:
-        layer_stage = [s for s in range(plan.num_stages) for _ in plan.layer_range(s)]
+        layer_stage = plan.stage_of_layer()
         stage_rank = [plan.rank_of(s) for s in range(plan.num_stages)]
         seen: set[int] = set()
         rows = []

@@ -91,7 +91,8 @@ class PipelineRuntime(PipelineScheduleRuntime):
         which validates it (each stage on one rank, ``m`` forwards and ``m`` backwards per stage, every
         backward after its forward) and infers the stage placement from it. torch's validator demands a
         backward for every forward, so a forward-only plan is stored directly, in the attribute that method
-        fills, with the backward switched off the way torch's own ``eval()`` does. torch's lowering passes
+        fills, with the backward switched off the way torch's own ``eval()`` does, and placed as ``stage_to_rank``
+        says (torch would place its stages looping). torch's lowering passes
         (``_add_unshard_reshard``, ``_add_reduce_grad``) are not used; see ``schedule.add_sharding_actions``.
         """
         actions = {rank: list(plan[rank]) for rank in plan}
@@ -100,9 +101,14 @@ class PipelineRuntime(PipelineScheduleRuntime):
         else:
             self.pipeline_order_with_comms = actions
             self._has_backward = False
+            # torch infers the placement from a training plan only; a forward-only one takes the plan's, as
+            # torch's own V schedules set theirs, on the runtime and on every stage (whose sends follow it)
+            self.stage_index_to_group_rank = dict(stage_to_rank)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         if self.stage_index_to_group_rank != dict(stage_to_rank):
-            # torch places stages by the plan (training) or its looped default (forward only); ours must agree,
-            # or sends and receives would go to the wrong ranks
+            # torch places stages by the plan (training); ours must agree, or sends and receives would go to the
+            # wrong ranks
             raise RuntimeError(
                 f"lightning_bfpp: torch's runtime places stages on ranks {self.stage_index_to_group_rank},"
                 f" the plan on {dict(stage_to_rank)}."

@@ -1,58 +1,74 @@
-"""How a rank executes a step's lowered action list: the one interface a pipeline
-(:class:`~lightning_bfpp.engine.pipeline.Pipeline`) runs, which pipelines of stages and weight passing both
-implement.
+"""How a rank executes a step's lowered action list: the interface a pipeline
+(:class:`~lightning_bfpp.engine.pipeline.Pipeline`) runs, one implementation per runner a schedule kind names
+(:attr:`lightning_bfpp.plan.schedules.base.ScheduleKind.runner`).
 
-- :class:`StageExecutor`: the rank's stages exchange activations with the other pipeline ranks through torch's
-  pipeline runtime (``PipelineStage``s, :class:`~lightning_bfpp.engine.runtime.PlannedSchedule`); FSDP2 gathers and
-  reduces each stage over the data-parallel group, optionally overlapped (:mod:`lightning_bfpp.engine.reductions`).
-- :class:`WeightPassingExecutor`: every rank runs every chunk of layers on its own micro-batches, and the
-  chunks' weights and gradients travel instead (:mod:`lightning_bfpp.engine.weight_passing`).
+- :class:`StageExecutor` (the ``"stages"`` runner): the rank's stages exchange activations with the other pipeline
+  ranks through torch's pipeline runtime (``PipelineStage``s, :class:`~lightning_bfpp.engine.runtime.PlannedSchedule`);
+  FSDP2 gathers and reduces each stage over the data-parallel group, optionally overlapped
+  (:mod:`lightning_bfpp.engine.reductions`).
+- :class:`lightning_bfpp.engine.weight_passing.WeightPassingExecutor` (the ``"weight_passing"`` runner): every
+  rank runs every chunk of layers on its own micro-batches, and the chunks' weights and gradients travel instead.
 
-The pipeline asks an executor for a schedule per step kind and shape (:meth:`build`), to start the first
-weights moving before the step (:meth:`prefetch_first`), and to wait for the step's gradient traffic
-(:meth:`finish`); the strategy connects it once every rank has built it and closes it at the end. Nothing
-outside this module tells the two apart.
+The pipeline asks an executor for a runner per step kind and shape (:meth:`Executor.build`), to start the first
+weights moving before the step (:meth:`Executor.prefetch_first`), and to wait for the step's gradient traffic
+(:meth:`Executor.finish`); the strategy connects it once every rank has built it and closes it at the end, and
+asks it which ranks a model's gradients and a step's outputs are spread over. Nothing outside the executors
+tells them apart.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_bfpp.engine.reductions import GradientReductions
 from lightning_bfpp.engine.runtime import PlannedSchedule, build_stages
 from lightning_bfpp.engine.sharding import PIPELINE_PARALLEL
-from lightning_bfpp.engine.weight_passing import ChunkTransfers, WeightPassingRunner, topology_groups
-from lightning_bfpp.plan.schedule import Schedule
+from lightning_bfpp.plan.actions import Schedule
+from lightning_bfpp.plan.plan import Plan
 
-__all__ = ["BuildRequest", "Executor", "StageExecutor", "WeightPassingExecutor"]
+__all__ = ["Executor", "StageExecutor", "StepRunner"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True)
-class BuildRequest:
-    """What a step's schedule is built for: this rank's stage modules and their stage indices, the lowered
-    action lists, the micro-batch count, the loss callback the last stage calls, and whether it runs backward."""
+class StepRunner(Protocol):
+    """What runs one step of a kind and batch shape (:class:`~lightning_bfpp.engine.runtime.PlannedSchedule`, or
+    weight passing's runner)."""
 
-    stage_modules: Sequence[nn.Module]
-    local_stages: Sequence[int]
-    num_stages: int
-    lowered: Schedule
-    num_microbatches: int
-    loss_fn: Callable[..., torch.Tensor]
-    train: bool
+    inferring_metadata: bool
+    # the first stage's inputs of the last step that captured them (see Pipeline.run)
+    last_inputs: tuple[list[Any], list[Any]] | None
+
+    def run(
+        self, arg_mbs: list[tuple[Any, ...]] | None, kwarg_mbs: list[dict[str, Any]] | None, targets: list[torch.Tensor]
+    ) -> None: ...
+
+    def hooked(
+        self,
+        *,
+        action_range: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+        p2p_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+        weight_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+    ) -> AbstractContextManager[None]:
+        """Route the runner's action ranges and waits through a tracer's wrappers (lightning_bfpp.engine.trace)."""
+        ...
 
 
 class Executor(Protocol):
-    def build(self, request: BuildRequest) -> PlannedSchedule | WeightPassingRunner:
-        """What runs one step of this kind and shape: ``run(arg_mbs, kwarg_mbs, targets)``."""
+    def build(
+        self, plan: Plan, lowered: Schedule, stage_modules: Sequence[nn.Module], loss_fn: LossFn, *, train: bool
+    ) -> StepRunner:
+        """What runs one step of ``plan`` (its kind, micro-batch count) over ``lowered``, this shape's actions."""
         ...
 
-    def prefetch_first(self, stage_modules: Sequence[nn.Module], sharding: str) -> None:
+    def prefetch_first(self, stage_modules: Sequence[nn.Module]) -> None:
         """Start bringing the first visited weights before the step's host-side preparation."""
         ...
 
@@ -71,39 +87,54 @@ class Executor(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def gradient_group(self) -> Any:
+        """The ranks a model's gradients are spread over, beyond data-parallel sharding (for its norm); None: here."""
+        ...
+
+    @property
+    def output_group(self) -> Any:
+        """The ranks that run one data-parallel replica's step (a batch's outputs are on its last stage's rank)."""
+        ...
+
 
 class StageExecutor:
     """A rank's stages on torch's pipeline runtime; ``reductions``: each stage's gradient reduction overlapped
-    with the remaining backward (None: FSDP2's own, blocking)."""
+    with the remaining backward (None: FSDP2's own, blocking). ``sharded``: the stages' weights are sharded (so the
+    first stage's gather can start before the step)."""
 
     def __init__(
         self,
         mesh: DeviceMesh,
         device: torch.device,
-        pipeline_parallel_size: int,
         reductions: GradientReductions | None = None,
+        *,
+        sharded: bool = True,
     ) -> None:
         self.mesh = mesh
         self.device = device
-        self.pipeline_parallel_size = pipeline_parallel_size
         self.reductions = reductions
+        self.sharded = sharded
+        self._pipeline_group = mesh[PIPELINE_PARALLEL].get_group() if dist.is_initialized() else None
+        self._pipeline_size = mesh[PIPELINE_PARALLEL].size()
 
-    def build(self, request: BuildRequest) -> PlannedSchedule:
-        r = request
-        group = self.mesh[PIPELINE_PARALLEL].get_group()
-        stages = build_stages(r.stage_modules, r.local_stages, r.num_stages, self.device, group)
+    def build(
+        self, plan: Plan, lowered: Schedule, stage_modules: Sequence[nn.Module], loss_fn: LossFn, *, train: bool
+    ) -> PlannedSchedule:
+        local = plan.stages_of(self.mesh[PIPELINE_PARALLEL].get_local_rank())
+        stages = build_stages(stage_modules, local, plan.num_stages, self.device, self._pipeline_group)
         return PlannedSchedule(
             stages,
-            r.lowered,
-            r.num_microbatches,
-            r.loss_fn,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            backward=r.train,
+            lowered,
+            plan.num_microbatches,
+            loss_fn,
+            stage_to_rank=plan.stage_to_rank(),
+            backward=train,
             reductions=self.reductions,
         )
 
-    def prefetch_first(self, stage_modules: Sequence[nn.Module], sharding: str) -> None:
-        if sharding != "no_shard":
+    def prefetch_first(self, stage_modules: Sequence[nn.Module]) -> None:
+        if self.sharded:
             stage_modules[0].unshard(async_op=True)  # type: ignore[operator]
 
     def connect(self) -> None:
@@ -121,41 +152,10 @@ class StageExecutor:
         if self.reductions is not None:
             self.reductions.close()
 
-
-class WeightPassingExecutor:
-    """Every chunk on every rank, weights and gradients travelling (see :mod:`lightning_bfpp.engine.weight_passing`)."""
-
-    def __init__(self, transfers: ChunkTransfers, device: torch.device) -> None:
-        self.transfers = transfers
-        self.device = device
-
-    def build(self, request: BuildRequest) -> WeightPassingRunner:
-        # one rank's list: weight passing lowers the same actions for every rank (see Pipeline.lowered_schedule)
-        r = request
-        return WeightPassingRunner(
-            r.stage_modules,
-            r.lowered[0],
-            r.num_microbatches,
-            r.loss_fn,
-            self.transfers,
-            backward=r.train,
-            device=self.device,
-        )
-
-    def prefetch_first(self, stage_modules: Sequence[nn.Module], sharding: str) -> None:
-        self.transfers.fetch(0)  # the first chunk, the first visit of every schedule
-
-    def connect(self) -> None:
-        topology = self.transfers.topology
-        # fetches and reductions each on groups of their own
-        self.transfers.connect(topology_groups(topology), topology_groups(topology))
+    @property
+    def gradient_group(self) -> Any:
+        return self._pipeline_group if self._pipeline_size > 1 else None
 
     @property
-    def waits_at_end(self) -> bool:
-        return True
-
-    def finish(self) -> None:
-        self.transfers.finish()
-
-    def close(self) -> None:
-        self.transfers.close()
+    def output_group(self) -> Any:
+        return self.gradient_group

@@ -420,11 +420,12 @@ def batch_statistics_layers(named: Sequence[tuple[str, nn.Module]]) -> list[tupl
 
 
 def batch_statistics_warning(
-    found: Sequence[tuple[str, str]], num_microbatches: int, data_parallel_size: int, weight_passing: bool
+    found: Sequence[tuple[str, str]], num_microbatches: int, *, replicas_keep_own: bool, note: str | None = None
 ) -> str | None:
     """What the layers of :func:`batch_statistics_layers` compute differently here than on one device; None
-    where nothing differs from DDP (one micro-batch per replica, and replicas that share running statistics)."""
-    replicas_keep_own = data_parallel_size > 1 and not weight_passing
+    where nothing differs from DDP (one micro-batch per replica, and replicas that share running statistics).
+    ``replicas_keep_own``: each data-parallel replica keeps its own running statistics; ``note``: what else the
+    runner changes about them (weight passing's)."""
     if not found or (num_microbatches == 1 and not replicas_keep_own):
         return None
     names = ", ".join(f"`{name}` ({kind})" for name, kind in found[:3]) + (
@@ -442,11 +443,8 @@ def batch_statistics_warning(
             " Each data-parallel replica keeps its own running statistics (FSDP2 does not broadcast buffers every"
             " step as DDP does); a checkpoint holds one replica's."
         )
-    if weight_passing:
-        text.append(
-            " Under weight passing a layer's running statistics are its chunk owner's, updated by the owner's"
-            " micro-batches only (see lightning_bfpp.engine.weight_passing)."
-        )
+    if note:
+        text.append(note)
     text.append(
         " For results that do not depend on how the batch is split use LayerNorm or GroupNorm (per-sample"
         " statistics), or num_microbatches=1 (statistics over each replica's batch, as under DDP). SyncBatchNorm is"

@@ -31,7 +31,7 @@ from lightning_bfpp.engine.agreement import (
     agree_on_shape,
     rank_name,
 )
-from lightning_bfpp.engine.executors import BuildRequest, Executor
+from lightning_bfpp.engine.executors import Executor, StepRunner
 from lightning_bfpp.engine.loss import BatchGradients, item_sum
 from lightning_bfpp.engine.microbatch import (
     batch_digest,
@@ -41,13 +41,11 @@ from lightning_bfpp.engine.microbatch import (
     split_microbatches,
 )
 from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
-from lightning_bfpp.engine.runtime import PlannedSchedule
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, tensor_parallel_mesh
 from lightning_bfpp.engine.tied import TiedParameters
 from lightning_bfpp.engine.trace import StepTracer
-from lightning_bfpp.engine.weight_passing import WeightPassingRunner
-from lightning_bfpp.plan.partition import StagePlan
-from lightning_bfpp.plan.schedule import Schedule, breadth_first, forward_only, generate, lower, validate
+from lightning_bfpp.plan.actions import Schedule
+from lightning_bfpp.plan.plan import Plan
 
 # schedules kept per step kind and batch shape: each holds its stages' receive buffers for every micro-batch, so
 # batches padded to their own length should come in a few lengths (e.g. `pad_to_multiple_of=8` in the collator)
@@ -123,16 +121,11 @@ class Pipeline:
     def __init__(
         self,
         module: nn.Module,
-        stage_plan: StagePlan,
+        plan: Plan,
         stage_modules: Sequence[nn.Module],
         mesh: DeviceMesh,
         device: torch.device,
         *,
-        schedule: str,
-        sharding: str,
-        num_microbatches: int,
-        microbatch_group_size: int | None = None,
-        prefetch_stages: int = 1,
         base_seed: int = 0,
         executor: Executor,
         step_code: StepCode,
@@ -140,19 +133,15 @@ class Pipeline:
         tied: TiedParameters | None = None,
     ) -> None:
         self.module = module
-        self.plan = stage_plan
+        self.plan = plan
         self.stage_modules = list(stage_modules)
         self.mesh = mesh
         self.device = device
-        self.schedule_name = schedule
-        self.sharding = sharding
-        self.num_microbatches = num_microbatches
-        self.microbatch_group_size = microbatch_group_size
-        self.prefetch_stages = prefetch_stages
+        self.num_microbatches = plan.num_microbatches
         self.pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
-        self.local_stages = stage_plan.stages_of(self.pipeline_rank)
+        self.local_stages = plan.stages_of(self.pipeline_rank)
         self.holds_first_stage = 0 in self.local_stages
-        self.holds_last_stage = stage_plan.num_stages - 1 in self.local_stages
+        self.holds_last_stage = plan.num_stages - 1 in self.local_stages
         self.data_parallel_size = mesh[DATA_PARALLEL].size()
         self.data_parallel_rank = mesh[DATA_PARALLEL].get_local_rank()
         self.rank_label = rank_name(pipeline_rank=self.pipeline_rank, data_parallel_rank=self.data_parallel_rank)
@@ -185,9 +174,9 @@ class Pipeline:
         self.step_code = step_code
         # True while the user's step code runs here; collectives called then are refused (see user_step)
         self.running_user_code = False
-        self._schedules: OrderedDict[tuple[Any, ...], PlannedSchedule | WeightPassingRunner] = OrderedDict()
+        self._schedules: OrderedDict[tuple[Any, ...], StepRunner] = OrderedDict()
         self._active: _ActiveStep | None = None
-        self._schedule_in_use: PlannedSchedule | WeightPassingRunner | None = None
+        self._schedule_in_use: StepRunner | None = None
         self._warned_microbatches: set[tuple[int, int]] = set()
         # the kinds of step (training or not, reducing or not) a schedule was built for: the first is built by
         # every rank in the same step (see _agree_before_schedule)
@@ -195,29 +184,12 @@ class Pipeline:
 
     # -- plans -------------------------------------------------------------------------------------
 
-    def compute_schedule(self, train: bool, num_microbatches: int) -> Schedule:
-        p, v = self.plan.pipeline_parallel_size, self.plan.stages_per_rank
-        if train and num_microbatches == self.num_microbatches:
-            compute = generate(self.schedule_name, p, v, num_microbatches, self.microbatch_group_size)
-        elif train:
-            # a smaller batch split into fewer micro-batches: keep the schedule if it allows that count, else
-            # run this batch breadth-first (the order changes nothing in the result, only the timing)
-            try:
-                compute = generate(self.schedule_name, p, v, num_microbatches)
-            except ValueError:
-                compute = breadth_first(p, v, num_microbatches)
-        else:
-            compute = forward_only(p, v, num_microbatches)
-        validate(compute, p, v, num_microbatches, backward=train)
-        return compute
-
     def lowered_schedule(self, train: bool, num_microbatches: int, *, reduce_grads: bool = True) -> Schedule:
-        compute = self.compute_schedule(train, num_microbatches)
-        if self.data_parallel_size == 1:
-            return compute  # nothing to gather or reduce: the stages are plain modules (see shard_stage)
-        return lower(compute, self.sharding, num_microbatches, reduce_grads=reduce_grads, prefetch=self.prefetch_stages)
+        """The actions this rank's executor runs for a step of this kind and micro-batch count (the plan's, or for
+        a smaller last batch the plan for that count: :meth:`lightning_bfpp.plan.plan.Plan.for_microbatches`)."""
+        return self.plan.for_microbatches(num_microbatches).lowered(train=train, reduce_grads=reduce_grads)
 
-    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> PlannedSchedule | WeightPassingRunner:
+    def _schedule_for(self, key: tuple[bool, int, Any, bool]) -> StepRunner:
         """The schedule for a step's kind, micro-batch count, batch shape and whether it reduces gradients:
         built once, kept in a least-recently-used cache."""
         train, num_microbatches, _, reduce_grads = key
@@ -227,17 +199,9 @@ class Pipeline:
         else:
             if len(self._schedules) >= _MAX_CACHED_SCHEDULES:
                 self._schedules.popitem(last=False)
-            schedule = self.executor.build(
-                BuildRequest(
-                    self.stage_modules,
-                    self.local_stages,
-                    self.plan.num_stages,
-                    self.lowered_schedule(train, num_microbatches, reduce_grads=reduce_grads),
-                    num_microbatches,
-                    self._loss_fn,
-                    train,
-                )
-            )
+            plan = self.plan.for_microbatches(num_microbatches)
+            lowered = plan.lowered(train=train, reduce_grads=reduce_grads)
+            schedule = self.executor.build(plan, lowered, self.stage_modules, self._loss_fn, train=train)
             self._schedules[key] = schedule
         return schedule
 
@@ -399,9 +363,9 @@ class Pipeline:
         it where the weights are needed. Only this one stage, so at most two stages are ever unsharded at
         once under ``full_shard``, as before.
         """
-        if self.data_parallel_size == 1 or self.prefetch_stages == 0:
+        if self.data_parallel_size == 1 or self.plan.prefetch_stages == 0:
             return
-        self.executor.prefetch_first(self.stage_modules, self.sharding)
+        self.executor.prefetch_first(self.stage_modules)
 
     @contextmanager
     def user_code(self, seed: int) -> Iterator[None]:

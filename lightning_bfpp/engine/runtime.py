@@ -23,11 +23,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_bfpp.engine._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv
+from lightning_bfpp.engine._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv, hooked_runtime
 from lightning_bfpp.engine.reductions import GradientReductions
 from lightning_bfpp.engine.sharding import TENSOR_PARALLEL
-from lightning_bfpp.plan.partition import stage_rank
-from lightning_bfpp.plan.schedule import Action, Kind
+from lightning_bfpp.plan.actions import Action, Kind
 
 _TO_TORCH = {
     Kind.FORWARD: TorchKind.FORWARD,
@@ -89,7 +88,8 @@ class PlannedSchedule(PipelineRuntime):
 
     ``loss_fn(output, microbatch_index)`` is called on the last stage for every micro-batch; while torch
     infers the stages' input and output shapes on the first run, :attr:`inferring_metadata` is True and
-    the loss function must not run user code (its inputs are not data). ``early_receives`` posts every
+    the loss function must not run user code (its inputs are not data). ``stage_to_rank`` is the plan's
+    placement (every stage's pipeline rank), which the sends and receives follow. ``early_receives`` posts every
     receive when the step starts (:func:`post_receives_first`); by default, where the pipeline group's
     transfers allow it (:func:`transfers_independent`).
     """
@@ -101,14 +101,14 @@ class PlannedSchedule(PipelineRuntime):
         num_microbatches: int,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         *,
-        pipeline_parallel_size: int,
+        stage_to_rank: Mapping[int, int],
         backward: bool,
         reductions: GradientReductions | None = None,
         early_receives: bool | None = None,
     ) -> None:
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         num_stages = stages[0].num_stages
-        mapping = {s: stage_rank(s, pipeline_parallel_size) for s in range(num_stages)}
+        mapping = dict(stage_to_rank)
         lowered = {rank: [to_torch_action(a) for a in actions] for rank, actions in schedule.items()}
         # torch adds the sends and receives; the data-parallel actions stay where our lowering put them
         with_comms = add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages)
@@ -160,6 +160,19 @@ class PlannedSchedule(PipelineRuntime):
     ) -> None:
         """Run every action of this rank's list once over the given micro-batches."""
         self.run_microbatches(arg_mbs, kwarg_mbs, target_mbs)
+
+    @contextmanager
+    def hooked(
+        self,
+        *,
+        action_range: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+        p2p_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+        weight_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
+    ) -> Iterator[None]:
+        """Route torch's action ranges and waits through the tracer's wrappers for one step
+        (:func:`lightning_bfpp.engine._compat.hooked_runtime`)."""
+        with hooked_runtime(self, action_range=action_range, p2p_wait=p2p_wait, weight_wait=weight_wait):
+            yield
 
 
 def _has_distributed_parameters(module: nn.Module) -> bool:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from lightning_bfpp.engine._compat import replicate, unflatten_mesh
 
 if TYPE_CHECKING:
-    from lightning_bfpp.plan.config import MeshShape
+    from lightning_bfpp.plan.mesh import MeshShape
 
 DATA_PARALLEL = "data_parallel"
 PIPELINE_PARALLEL = "pipeline_parallel"
@@ -78,7 +78,7 @@ def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     dimension split into (replicate, shard) = (nodes, ranks per node), the 2-D mesh FSDP2 runs HSDP on.
 
     A node's data-parallel ranks are consecutive in both mesh orders (see
-    :func:`lightning_bfpp.plan.config.hybrid_shard_size`), so splitting the dimension row-major puts every shard
+    :func:`lightning_bfpp.plan.mesh.hybrid_shard_size`), so splitting the dimension row-major puts every shard
     group inside a node. The split is DeviceMesh's ``_unflatten`` of ``mesh[DATA_PARALLEL]`` rather than a
     3-D ``init_device_mesh`` (replicate, shard, pipeline) or a ``DeviceMesh`` from explicit rank tensors: the
     root mesh keeps its (data, pipeline) dimensions, which samplers, ``data_parallel_rank``, logged values,
@@ -90,12 +90,6 @@ def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     if shape.shard_size is None:
         return data
     return unflatten_mesh(data, (shape.replicate_size, shape.shard_size), (REPLICATE, SHARD))
-
-
-def schedule_sharding(sharding: str) -> str:
-    """The sharding whose UNSHARD / RESHARD actions a stage gets (:mod:`lightning_bfpp.plan.schedule`):
-    ``hybrid_shard`` gathers and releases like ``full_shard``, only over the ranks of a node."""
-    return "full_shard" if sharding == "hybrid_shard" else sharding
 
 
 def shard_stage(

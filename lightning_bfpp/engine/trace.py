@@ -5,7 +5,8 @@ actions (its ``record_function("PP:<action>")`` ranges), where it waits for poin
 (``_wait_batch_p2p``), and where it waits for a stage's weights (``_assert_unsharded``), and turns them into
 :class:`lightning_bfpp.plan.timeline.Span` records: compute per stage and micro-batch (what the action does
 after its waits), waits for neighbours, weight gathers, gradient reductions, and the optimizer step. The
-hooks (installed through :func:`lightning_bfpp.engine._compat.hooked_runtime`, which names torch's private points)
+hooks (installed through the runner's ``hooked``: :func:`lightning_bfpp.engine._compat.hooked_runtime`, which names
+torch's private points, or weight passing's own)
 exist only inside traced steps; with tracing off nothing is installed.
 
 Ranks align their clocks with a barrier at the start of each traced step. Times are host times: on GPUs
@@ -59,14 +60,21 @@ class StepTracer:
         self.spans.append(Span(self.rank, kind, start, end, stage, microbatch))
 
     @contextmanager
-    def recording(self, schedule: PipelineScheduleRuntime) -> Iterator[None]:
-        """Hook the runtime for the duration of one ``schedule.run``."""
-        if hasattr(schedule, "hooked"):  # weight passing runs its own actions (lightning_bfpp.engine.weight_passing)
-            with schedule.hooked(action_range=self._action_range, weight_wait=partial(self._timed_wait, "gather_wait")):
-                yield
-            return
+    def recording(self, schedule: Any) -> Iterator[None]:
+        """Hook a step runner (torch's runtime, or weight passing's) for the duration of one ``schedule.run``:
+        its ``hooked(action_range=, p2p_wait=, weight_wait=)`` routes its action ranges and waits through here."""
+        with schedule.hooked(
+            action_range=self._action_range,
+            p2p_wait=partial(self._timed_wait, "p2p_wait"),
+            weight_wait=partial(self._timed_wait, "gather_wait"),
+        ):
+            yield
+
+    @contextmanager
+    def recording_torch(self, runtime: PipelineScheduleRuntime) -> Iterator[None]:
+        """:meth:`recording` for one of torch's own schedule classes (the benchmarks compare them)."""
         with hooked_runtime(
-            schedule,
+            runtime,
             action_range=self._action_range,
             p2p_wait=partial(self._timed_wait, "p2p_wait"),
             weight_wait=partial(self._timed_wait, "gather_wait"),

@@ -40,8 +40,9 @@ gradients once, before the optimizer.
 
 Written here, not taken from torch: ``torch.distributed.pipelining`` passes activations between ranks and
 FSDP2 shards every parameter over all ranks (an all-gather of slices); neither moves whole chunks from an
-owner along a node topology. The action lists are this package's own (:mod:`lightning_bfpp.plan.schedule`), the
-same ones the planner simulates.
+owner along a node topology. The action lists are this package's own (the ``"weight_passing"`` schedule kind,
+:mod:`lightning_bfpp.plan.schedules.weight_passing`), the same ones the planner simulates. This module is that
+kind's runner: :func:`place_chunks` builds a rank's part, :class:`WeightPassingExecutor` runs it.
 """
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bfpp.engine._compat import tree_flatten
-from lightning_bfpp.engine.initial_state import local_state, pack, unpack
+from lightning_bfpp.engine.executors import LossFn
+from lightning_bfpp.engine.initial_state import Broadcast, PendingBuild, buffers_outside, local_state, pack, unpack
+from lightning_bfpp.engine.layers import StageModule, layer_weights, materialize_meta
+from lightning_bfpp.engine.pipeline import Pipeline
+from lightning_bfpp.engine.placing import Build, BuildContext, finish_module, keep_layers
 from lightning_bfpp.engine.random_state import RandomStateSnapshot
-from lightning_bfpp.plan.schedule import Action, Kind
+from lightning_bfpp.engine.tied import TieGroup, retie
+from lightning_bfpp.plan.actions import Action, Kind, Schedule
+from lightning_bfpp.plan.plan import Plan
 from lightning_bfpp.plan.topology import NodeTopology
 
 TopologyGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]  # (node group, rail group)
@@ -322,7 +329,7 @@ class WeightPassingRunner:
     ``last_inputs``. ``action_range(name)`` wraps each action (the trace's hook).
 
     Each backward's parameter gradient is handed to the chunk's owner by the action list's REDUCE_GRAD. A list
-    without any (one process, which owns every chunk: nothing is sent, see ``Pipeline.lowered_schedule``)
+    without any (one process, which owns every chunk: nothing is sent, see ``Plan.lowered``)
     leaves the gradients accumulating in ``.grad``, as on one device.
     """
 
@@ -355,9 +362,11 @@ class WeightPassingRunner:
         self,
         *,
         action_range: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+        p2p_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
         weight_wait: Callable[[Callable[..., Any]], Callable[..., Any]],
     ) -> Iterator[None]:
-        """Route each action and each wait for a chunk's weights through the trace's wrappers."""
+        """Route each action and each wait for a chunk's weights through the trace's wrappers (there are no
+        point-to-point waits: ``p2p_wait`` is not used)."""
         self.action_range, self._ready = action_range(_no_range), weight_wait(self.transfers.ready)
         try:
             yield
@@ -489,3 +498,136 @@ def follow_mode(layer: nn.Module, module: nn.Module) -> None:
             layer.train(module.training)
 
     layer.register_forward_pre_hook(hook)
+
+
+class WeightPassingExecutor:
+    """Every chunk on every rank, weights and gradients travelling (see the module docstring)."""
+
+    def __init__(self, transfers: ChunkTransfers, device: torch.device) -> None:
+        self.transfers = transfers
+        self.device = device
+
+    def build(
+        self, plan: Plan, lowered: Schedule, stage_modules: Sequence[nn.Module], loss_fn: LossFn, *, train: bool
+    ) -> WeightPassingRunner:
+        # one rank's list: the plan has one pipeline rank, whose list every rank runs
+        return WeightPassingRunner(
+            stage_modules,
+            lowered[0],
+            plan.num_microbatches,
+            loss_fn,
+            self.transfers,
+            backward=train,
+            device=self.device,
+        )
+
+    def prefetch_first(self, stage_modules: Sequence[nn.Module]) -> None:
+        self.transfers.fetch(0)  # the first chunk, the first visit of every schedule
+
+    def connect(self) -> None:
+        topology = self.transfers.topology
+        # fetches and reductions each on groups of their own
+        self.transfers.connect(topology_groups(topology), topology_groups(topology))
+
+    @property
+    def waits_at_end(self) -> bool:
+        return True
+
+    def finish(self) -> None:
+        self.transfers.finish()
+
+    def close(self) -> None:
+        self.transfers.close()
+
+    @property
+    def gradient_group(self) -> Any:
+        # each chunk's gradients are its owner's alone: the model's norm spans every rank
+        return dist.group.WORLD if self.transfers.topology.world_size > 1 else None
+
+    @property
+    def output_group(self) -> Any:
+        return None  # every rank runs its own micro-batches through the whole model
+
+
+BATCH_STATISTICS_NOTE = (
+    " Under weight passing a layer's running statistics are its chunk owner's, updated by the owner's"
+    " micro-batches only (see lightning_bfpp.engine.weight_passing)."
+)
+
+
+def place_chunks(
+    module: nn.Module,
+    named: Sequence[tuple[str, nn.Module]],
+    ties: list[TieGroup],
+    plan: Plan,
+    context: BuildContext,
+) -> Build:
+    """Weight passing's runner: one chunk per rank, owned whole by the rank TawPipe's placement gives it; the module
+    keeps the owned layers (so the optimizer and checkpoints see exactly those), the other chunks' layers are kept
+    beside it with no storage until fetched.
+
+    A chunk's parameters and persistent buffers are its owner's: the buffers travel with every fetch, and at
+    setup every buffer of a chunk (persistent or not) takes the owner's value, as do the buffers outside the
+    layers global rank 0's. Borrowed layers follow the module's mode (``train()`` / ``eval()``), which a trainer
+    sets on the module and so on its own layers only."""
+    if ties:
+        raise ValueError(
+            f"BFPPStrategy(schedule='weight_passing') cannot train parameters shared by several layers yet"
+            f" (`{ties[0].canonical}`); use schedule='breadth_first', which supports them."
+        )
+    device, me = context.device, context.global_rank
+    topology = NodeTopology(context.world_size, context.processes_per_node)
+    chunk_owner = [topology.chunk_owner(c) for c in range(plan.num_stages)]
+    layer_stage = plan.stage_of_layer()
+    owner = [chunk_owner[s] for s in layer_stage]
+    local, identities = keep_layers(module, named, owner, me, context, tied_slots=range(len(named)))
+    borrowed = {}
+    for (name, layer), rank in zip(named, owner, strict=True):
+        if rank != me:
+            materialize_meta(layer, device)
+            borrowed[name] = context.convert_module(layer.to(device))
+            follow_mode(borrowed[name], module)
+    tied = retie(identities, ties, layer_stage, chunk_owner)  # a layer's own ties, broken by to_empty
+    finish_module(module, context)
+    layers_by_name = {**local, **borrowed}
+    stage_modules, chunks = [], []
+    world = dist.group.WORLD if context.world_size > 1 else None
+    broadcasts = [Broadcast(buffers_outside(module, [name for name, _ in named]), 0, world)]
+    for c in range(plan.num_stages):
+        names = plan.stage_layers(c)
+        layers = [layers_by_name[name] for name in names]
+        broadcasts.append(Broadcast(local_state(layers, parameters=False), chunk_owner[c], world))
+        stage_module = StageModule(
+            [context.prepare(layer) for layer in layers], c, names=names, is_last=c == plan.num_stages - 1
+        )
+        stage_modules.append(stage_module)
+        chunks.append(
+            ChunkWeights(
+                list(stage_module.parameters()), owned=chunk_owner[c] == me, buffers=chunk_buffers(stage_module)
+            )
+        )
+    weights = layer_weights(named)
+    context.info(
+        f"BFPPStrategy: schedule=weight_passing over {context.world_size} ranks ({topology.num_nodes} node(s) of"
+        f" {topology.processes_per_node}), num_microbatches={plan.num_microbatches} per rank\n"
+        + "\n".join(
+            f"chunk {c:>3} owned by rank {chunk_owner[c]:>3}: {len(plan.stage_layers(c)):>3} layers,"
+            f" {sum(weights[i] for i in plan.layer_range(c)):,} parameters"
+            for c in range(plan.num_stages)
+        )
+    )
+
+    def finish() -> Pipeline:
+        return Pipeline(
+            module,
+            plan,
+            stage_modules,
+            context.device_mesh,
+            device,
+            base_seed=context.base_seed,
+            step_code=context.step_code,
+            executor=WeightPassingExecutor(ChunkTransfers(chunks, topology, me), device),
+            agreement_timeout=context.agreement_timeout,
+        )
+
+    return Build(tied, PendingBuild(broadcasts, finish))

@@ -53,7 +53,8 @@ import torch.multiprocessing as mp
 from lightning_bfpp.measure.emulated import EmulatedModel
 from lightning_bfpp.plan.cluster import Cluster, tensor_all_reduce_s
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.simulate import PlanConfig, simulate
+from lightning_bfpp.plan.plan import Plan
+from lightning_bfpp.plan.simulate import simulate
 
 # the runtime calibration's model: sleeping layers, long enough that the processes' host work does not saturate
 # a few shared cores (the host waits on the device, as on accelerators), short enough for a quick run
@@ -218,7 +219,7 @@ def calibrate(
     return cluster, timings
 
 
-def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
+def runtime_configs(devices: int) -> tuple[Plan, Plan]:
     """Two layouts over all ``devices`` that differ only in actions per rank (``2·v·m``: 4× in the second)."""
     if devices < 2 or RUNTIME_MODEL.layers % (2 * devices):
         raise ValueError(
@@ -226,12 +227,12 @@ def runtime_configs(devices: int) -> tuple[PlanConfig, PlanConfig]:
             f" {devices} processes do not divide; calibrate at a power of two up to 8, or pass runtime=False"
         )
     return (
-        PlanConfig("breadth_first", devices, 1, 2, devices, 1),
-        PlanConfig("breadth_first", devices, 1, 2, 4 * devices, 1),
+        Plan("breadth_first", devices, 1, 2, devices, 1),
+        Plan("breadth_first", devices, 1, 2, 4 * devices, 1),
     )
 
 
-def tensor_runtime_config(devices: int) -> PlanConfig | None:
+def tensor_runtime_config(devices: int) -> Plan | None:
     """The first of :func:`runtime_configs` with each pipeline rank's layers split over 2 processes; None for an
     odd process count."""
     if devices % 2:
@@ -306,7 +307,7 @@ def measure_runtime(
 
 
 def _tensor_cost(
-    config: PlanConfig, profile: ModelProfile, cluster: Cluster, measured: float, probe_s: float = 1e-3
+    config: Plan, profile: ModelProfile, cluster: Cluster, measured: float, probe_s: float = 1e-3
 ) -> dict[str, float]:
     """The fixed cost per tensor all-reduce that makes the simulated step of ``config`` the measured one."""
     free_cluster = replace(cluster, tensor_collective_overhead_s=0.0)
@@ -320,7 +321,7 @@ def _tensor_cost(
     }
 
 
-def cost_weights(config: PlanConfig, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:
+def cost_weights(config: Plan, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:
     """The simulated step of ``config`` without runtime costs, and how much it grows per second of runtime cost
     per action (``action_weight``: about the actions on the critical path) and per step (``step_weight``).
 
@@ -335,7 +336,7 @@ def cost_weights(config: PlanConfig, profile: ModelProfile, links: Cluster, prob
 
 
 def _sensitivity(
-    config: PlanConfig, profile: ModelProfile, cluster: Cluster, field: str, probe_s: float
+    config: Plan, profile: ModelProfile, cluster: Cluster, field: str, probe_s: float
 ) -> tuple[float, float]:
     """The simulated step of ``config`` on ``cluster``, and how much it grows per second added to the cluster's
     cost ``field`` (the step is linear in each such cost while the critical path stays the same)."""
@@ -370,7 +371,7 @@ def _least_squares(weights: list[float], extra: list[float]) -> float:
 
 
 def run_emulated(
-    config: PlanConfig, model: EmulatedModel, steps: int, devices: int, processes_per_node: int | None = None
+    config: Plan, model: EmulatedModel, steps: int, devices: int, processes_per_node: int | None = None
 ) -> float:
     """Train ``config`` on ``model`` with ``BFPPStrategy`` in a job of its own; the median step time (s).
 
@@ -379,18 +380,18 @@ def run_emulated(
 
 
 def run_emulated_auto(
-    config: PlanConfig, model: EmulatedModel, steps: int, devices: int, cluster: Cluster
-) -> tuple[float, PlanConfig, float]:
+    config: Plan, model: EmulatedModel, steps: int, devices: int, cluster: Cluster
+) -> tuple[float, Plan, float]:
     """Train ``model`` with ``BFPPStrategy(pipeline_parallel_size="auto")`` (and ``config``'s schedule,
     sharding, stages per rank, micro-batches and tensor size) on ``cluster``, in a job of its own: the median
     step time (s), the layout the planner chose, and the step it predicted for it (s)."""
     job = _emulated_job([(config, model)], steps, devices, None, auto_cluster=asdict(cluster))
     run = job[0]
-    return float(run["step_time"]), PlanConfig(**run["chosen"]), float(run["predicted_step_time"])
+    return float(run["step_time"]), Plan(**run["chosen"]), float(run["predicted_step_time"])
 
 
 def run_emulated_many(
-    runs: Sequence[tuple[PlanConfig, EmulatedModel]],
+    runs: Sequence[tuple[Plan, EmulatedModel]],
     steps: int,
     devices: int,
     processes_per_node: int | None = None,
@@ -402,7 +403,7 @@ def run_emulated_many(
 
 
 def _emulated_job(
-    runs: Sequence[tuple[PlanConfig, EmulatedModel]],
+    runs: Sequence[tuple[Plan, EmulatedModel]],
     steps: int,
     devices: int,
     processes_per_node: int | None,
@@ -433,12 +434,12 @@ def _emulated_job(
 def _train_emulated(job: dict[str, Any], out: Path) -> None:
     """One emulated training job (``run_emulated_many``'s child process): Lightning starts the other processes,
     which run the same runs in the same order."""
-    results = [_train_one(PlanConfig(**run["config"]), EmulatedModel(**run["model"]), job) for run in job["runs"]]
+    results = [_train_one(Plan(**run["config"]), EmulatedModel(**run["model"]), job) for run in job["runs"]]
     if results[0] is not None:  # global rank 0 measured
         out.write_text(json.dumps(results))
 
 
-def _train_one(config: PlanConfig, model: EmulatedModel, job: dict[str, Any]) -> dict[str, Any] | None:
+def _train_one(config: Plan, model: EmulatedModel, job: dict[str, Any]) -> dict[str, Any] | None:
     import lightning as L
 
     from lightning_bfpp import BFPPStrategy
@@ -454,16 +455,15 @@ def _train_one(config: PlanConfig, model: EmulatedModel, job: dict[str, Any]) ->
         def on_train_end(self, *args: object) -> None:
             starts.append(time.perf_counter())
 
-    weight_passing = config.schedule == "weight_passing"  # sets the layout itself: one chunk per rank
     auto = job.get("auto_cluster")
+    arguments = config.kind.arguments(config)  # the strategy arguments that lay the plan out
+    if auto:
+        arguments["pipeline_parallel_size"] = "auto"
     strategy = BFPPStrategy(
-        pipeline_parallel_size="auto" if auto else None if weight_passing else config.pipeline_parallel_size,
+        **arguments,
         cluster=Cluster(**auto) if auto else None,
-        stages_per_rank="auto" if weight_passing else config.stages_per_rank,
-        num_microbatches=config.num_microbatches,
-        schedule=config.schedule,
         sharding=config.sharding,
-        microbatch_group_size=config.microbatch_group_size,
+        prefetch_stages=config.prefetch_stages,
         processes_per_node=job.get("processes_per_node"),
         tensor_parallel_size=config.tensor_parallel_size,
     )

@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from lightning_bfpp.plan.config import MESH_ORDERS
+from lightning_bfpp.plan.mesh import MESH_ORDERS
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,11 @@ class Links:
     reduce_bandwidth_ratio: float = 1.0
     all_reduce_bandwidth_ratio: float = 1.0
 
-    def p2p_s(self, src_rank: int, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.p2p_bandwidth[src_rank]
+    # between any two pipeline ranks (a V placement also sends from r to r − 1): [src][dst]
+    pair_bandwidth: tuple[tuple[float, ...], ...] = ()
+
+    def p2p_s(self, src_rank: int, dst_rank: int, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.pair_bandwidth[src_rank][dst_rank]
 
     def ring_s(self, n: int, nbytes: float, bandwidth: float) -> float:
         """An all-gather or reduce-scatter of ``nbytes`` (the full tensor) over ``n`` ranks."""
@@ -189,11 +192,12 @@ class Links:
 
 
 def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
-    p2p = []
-    for r in range(p):
-        nxt = (r + 1) % p
-        ranks = [global_rank(r, 0, p, dp, mesh_order), global_rank(nxt, 0, p, dp, mesh_order)]
-        p2p.append(_bandwidth(cluster, ranks) * cluster.p2p_bandwidth_ratio)
+    def pair(a: int, b: int) -> float:
+        ranks = [global_rank(a, 0, p, dp, mesh_order), global_rank(b, 0, p, dp, mesh_order)]
+        return _bandwidth(cluster, ranks) * cluster.p2p_bandwidth_ratio
+
+    pairs = tuple(tuple(pair(a, b) for b in range(p)) for a in range(p))
+    p2p = [pairs[r][(r + 1) % p] for r in range(p)]
     groups = [[global_rank(r, d, p, dp, mesh_order) for d in range(dp)] for r in range(p)]
     data = [_bandwidth(cluster, group) for group in groups]
     shard, replicate = zip(*(hybrid_groups(cluster, group) for group in groups), strict=True)
@@ -209,6 +213,7 @@ def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
         cluster.inter_node_bandwidth,
         cluster.reduce_bandwidth_ratio,
         cluster.all_reduce_bandwidth_ratio,
+        pairs,
     )
 
 

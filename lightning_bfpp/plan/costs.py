@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
+
+from lightning_bfpp.plan.partition import balance_by_weight
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class LayerCost:
     ``measured_split``: ``t > 1`` if the layer was measured already split over a tensor group of ``t``
     (:mod:`lightning_bfpp.measure.profile` with ``parallelize``): its times, bytes and activations are one
     rank's share, its times without the all-reduces, which are still charged as the cluster prices them.
+    ``intermediate_grad_bytes``: what a split backward's input-gradient pass keeps for the weight pass beyond the
+    saved activations (torch's ``stage_backward_input`` keeps the gradients of the intermediate outputs that feed
+    the layer's weights), held from the ``I`` to the ``W``; 0 where not measured.
     """
 
     forward_s: float
@@ -46,6 +52,7 @@ class LayerCost:
     tensor_parallel_all_reduces: int = 0
     tensor_parallel_saved_bytes: int = 0
     measured_split: int = 1
+    intermediate_grad_bytes: int = 0
 
     @property
     def full_activation_bytes(self) -> int:
@@ -73,6 +80,7 @@ class LayerCost:
             self.tensor_parallel_all_reduces,
             int(self.tensor_parallel_saved_bytes * factor),
             self.measured_split,
+            int(self.intermediate_grad_bytes * factor),
         )
 
     def split_over_tensor_group(self, size: int, all_reduce_s: Callable[[int], float]) -> LayerCost:
@@ -107,6 +115,9 @@ class LayerCost:
             max(saved, 0),
             None if self.activation_bytes is None else max(full - shard, 0),
             self.weight_grad_s / size,
+            # the weighted operations' output gradients are split as their outputs are (an approximation: a
+            # row-parallel output is whole)
+            intermediate_grad_bytes=self.intermediate_grad_bytes // size,
         )
 
 
@@ -227,7 +238,19 @@ def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[Laye
                     if all(layer.backward_weight_s is None for layer in run)
                     else sum(layer.weight_grad_s for layer in run)
                 ),
+                intermediate_grad_bytes=sum(layer.intermediate_grad_bytes for layer in run),
             )
         )
         start += count
     return stages
+
+
+def balanced_counts(weights: Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """:func:`~lightning_bfpp.plan.partition.balance_by_weight`, remembered: a search asks for the same cut of the
+    same layers for thousands of configurations, and the exact partition is quadratic in the layers."""
+    return _balanced_counts(tuple(weights), num_stages)
+
+
+@lru_cache(maxsize=1024)
+def _balanced_counts(weights: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    return tuple(balance_by_weight(weights, num_stages))

@@ -1,20 +1,20 @@
-"""Enumerate configurations for a model, a machine and a global batch; simulate and rank them. Pure.
+"""Enumerate plans for a model, a machine and a global batch; simulate and rank them. Pure.
 
 For every pipeline size ``p`` dividing the device count (``dp = devices / p``), every split of the
-per-replica batch into ``m`` micro-batches, every ``v`` with ``p·v`` at most the number of layers, every
-schedule (and, for depth-first, every valid group size ``N``), sharding and mesh order, the configuration
-is either marked infeasible with the reason, or simulated (:mod:`lightning_bfpp.plan.simulate`). Feasible
-configurations are ranked by predicted step time: the global batch is fixed, so that is throughput.
+per-replica batch into ``m`` micro-batches, every registered schedule (:mod:`lightning_bfpp.plan.schedules`),
+what its kind varies (stages per rank ``v`` with ``p·v`` at most the number of layers; depth-first's group sizes
+``N``), every sharding and mesh order, the plan is either marked infeasible with the reason (the kind's, or the
+machine's), or simulated with the kind's cost model. Feasible plans are ranked by predicted step time: the
+global batch is fixed, so that is throughput; a plan over the cluster's memory is infeasible, so with a memory
+budget the first is the fastest that fits.
 
-Besides the runtime's activation-pipeline schedules and shardings, the default space holds
-``sharding="hybrid_shard"`` (shard inside a node, replicate across nodes; left out where a configuration's
-data-parallel group lies inside one node, where it is ``full_shard``, unless ``full_shard`` is not a
-candidate) and ``schedule="weight_passing"`` (:mod:`~lightning_bfpp.plan.weight_passing`: one candidate per
-micro-batch split, at ``pipeline_parallel_size=1``, ``data_parallel_size`` = ``stages_per_rank`` = every
-device, whatever the space's stages per rank, shardings and mesh orders; infeasible where there are more
-devices than layers or the nodes are not full). ``hybrid_shard`` is infeasible where the strategy refuses it:
-data-parallel ranks spread unevenly over nodes, or one per node. Weight passing's node stagger, which the
-runtime does not implement, is searched only when ``weight_passing_stagger`` asks for it.
+Besides the runtime's shardings, the default space holds ``sharding="hybrid_shard"`` (shard inside a node,
+replicate across nodes; left out where a plan's data-parallel group lies inside one node, where it is
+``full_shard``, unless ``full_shard`` is not a candidate). A kind that fixes sharding itself (weight passing:
+``ScheduleKind.sharded`` false) gets one candidate per layout, whatever the space's shardings and mesh orders.
+``hybrid_shard`` is infeasible where the strategy refuses it: data-parallel ranks spread unevenly over nodes, or
+one per node. Weight passing's node stagger, which the runtime does not implement, is searched only when
+``weight_passing_stagger`` asks for it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank, tensor_groups_as_devices
 from lightning_bfpp.plan.config import SHARDINGS
 from lightning_bfpp.plan.costs import ModelProfile
-from lightning_bfpp.plan.schedule import SCHEDULES
-from lightning_bfpp.plan.simulate import HYBRID_SHARD, WEIGHT_PASSING, PlanConfig, Prediction, simulate
+from lightning_bfpp.plan.plan import HYBRID_SHARD, Plan
+from lightning_bfpp.plan.schedules import get_schedule, schedule_names
+from lightning_bfpp.plan.simulate import Prediction, simulate
 
-# what the planner models: the activation-pipeline schedules, weight passing, and every sharding
-PLAN_SCHEDULES: tuple[str, ...] = tuple(dict.fromkeys((*SCHEDULES, WEIGHT_PASSING)))
-PLAN_SHARDINGS: tuple[str, ...] = tuple(dict.fromkeys((*SHARDINGS, HYBRID_SHARD)))
+# what the planner models: every registered schedule, and every sharding
+PLAN_SCHEDULES: tuple[str, ...] = schedule_names()
+PLAN_SHARDINGS: tuple[str, ...] = SHARDINGS
 
 
 @dataclass(frozen=True)
@@ -49,28 +50,31 @@ class SearchSpace:
     weight_passing_stagger: tuple[bool, ...] = (False,)
     # tensor-parallel group sizes to consider (each must divide a node's devices); weight passing only at 1
     tensor_parallel_sizes: tuple[int, ...] = (1,)
+    # stages whose weights are gathered ahead (the strategy's prefetch_stages), for every plan
+    prefetch_stages: int = 1
 
 
 @dataclass
 class Candidate:
-    config: PlanConfig
+    """A plan the search considered: its prediction, or why it cannot run (a prediction over memory has both)."""
+
+    config: Plan
     prediction: Prediction | None = None
     infeasible: str | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.config
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _group_sizes(p: int, m: int) -> list[int | None]:
-    sizes = {n for n in (p, 2 * p, 4 * p, m) if p <= n <= m and not (m % n and m % n < p)}
-    return sorted(sizes)  # type: ignore[return-value]
-
-
 def configurations(
     profile: ModelProfile, cluster: Cluster, global_batch: int, space: SearchSpace
-) -> Iterator[tuple[PlanConfig, str | None]]:
-    """Every configuration of ``space``, with the reason it cannot run (or None)."""
+) -> Iterator[tuple[Plan, str | None]]:
+    """Every plan of ``space``, with the reason it cannot run (or None)."""
     for t in space.tensor_parallel_sizes:
         if cluster.devices_per_node % t or cluster.num_devices % t:
             continue
@@ -79,10 +83,11 @@ def configurations(
 
 def _configurations(
     profile: ModelProfile, cluster: Cluster, global_batch: int, space: SearchSpace, t: int
-) -> Iterator[tuple[PlanConfig, str | None]]:
-    """The configurations for tensor groups of ``t`` ranks, each one device of ``cluster``."""
+) -> Iterator[tuple[Plan, str | None]]:
+    """The plans for tensor groups of ``t`` ranks, each one device of ``cluster``."""
     devices = cluster.num_devices
     mesh_orders = space.mesh_orders if cluster.num_nodes > 1 else ("data_pipeline",)
+    kinds = [get_schedule(name) for name in space.schedules]
     for p in space.pipeline_sizes or _divisors(devices):
         if devices % p:
             continue
@@ -94,44 +99,35 @@ def _configurations(
         for m in ms:
             if per_replica % m:
                 continue
-            if p == 1 and t == 1 and WEIGHT_PASSING in space.schedules:
-                for stagger in space.weight_passing_stagger:
-                    config = PlanConfig(WEIGHT_PASSING, 1, dp, dp, m, per_replica // m, stagger=stagger)
-                    yield config, _weight_passing_reason(config, profile, cluster)
-            for v in space.stages_per_rank:
-                for schedule in space.schedules:
-                    if schedule == WEIGHT_PASSING or (schedule in ("gpipe", "1f1b") and v != 1):
+            size = per_replica // m
+            for kind in kinds:
+                if t > 1 and not kind.tensor_parallel:
+                    continue
+                for fields in kind.search_fields(p, dp, m, space):
+                    if not kind.sharded:
+                        plan = Plan(
+                            kind.name, p, dp, num_microbatches=m, microbatch_size=size,
+                            prefetch_stages=space.prefetch_stages, **fields,
+                        )  # fmt: skip
+                        yield plan, kind.infeasible(plan, profile, cluster, space)
                         continue
-                    groups: list[int | None] = [None]
-                    if schedule == "depth_first":
-                        groups = [p] if space.group_sizes == "pipeline" else _group_sizes(p, m)
-                    for group in groups:
-                        for sharding in space.shardings:
-                            if dp == 1 and sharding != "full_shard":
-                                continue  # without data parallelism the three coincide
-                            # without a pipeline or without data parallelism both orders give the same ranks
-                            for order in mesh_orders if p > 1 and dp > 1 else mesh_orders[:1]:
-                                size = per_replica // m
-                                config = PlanConfig(
-                                    schedule, p, dp, v, m, size, sharding, group, order, tensor_parallel_size=t
-                                )
-                                reason = _reason(config, profile, space)
-                                if sharding == HYBRID_SHARD:
-                                    hybrid = _hybrid_reason(cluster, p, dp, order)
-                                    if hybrid == _IN_ONE_NODE and "full_shard" in space.shardings:
-                                        continue  # the data-parallel groups lie in one node: that is full_shard
-                                    reason = reason or hybrid
-                                yield config, reason
-
-
-def _reason(config: PlanConfig, profile: ModelProfile, space: SearchSpace) -> str | None:
-    if config.num_stages > profile.num_layers:
-        return f"{config.num_stages} stages > {profile.num_layers} layers"
-    if config.schedule == "depth_first" and config.num_microbatches < config.pipeline_parallel_size:
-        return "depth_first needs m ≥ p"
-    if 2 * config.stages_per_rank * config.num_microbatches > space.max_actions_per_rank:
-        return "too many actions to simulate"
-    return None
+                    for sharding in space.shardings:
+                        if dp == 1 and sharding != "full_shard":
+                            continue  # without data parallelism the three coincide
+                        # without a pipeline or without data parallelism both orders give the same ranks
+                        for order in mesh_orders if p > 1 and dp > 1 else mesh_orders[:1]:
+                            plan = Plan(
+                                kind.name, p, dp, num_microbatches=m, microbatch_size=size, sharding=sharding,
+                                mesh_order=order, tensor_parallel_size=t, prefetch_stages=space.prefetch_stages,
+                                **fields,
+                            )  # fmt: skip
+                            reason = kind.infeasible(plan, profile, cluster, space)
+                            if sharding == HYBRID_SHARD:
+                                hybrid = _hybrid_reason(cluster, p, dp, order)
+                                if hybrid == _IN_ONE_NODE and "full_shard" in space.shardings:
+                                    continue  # the data-parallel groups lie in one node: that is full_shard
+                                reason = reason or hybrid
+                            yield plan, reason
 
 
 _IN_ONE_NODE = "hybrid_shard: each data-parallel group lies in one node (nothing to replicate)"
@@ -150,15 +146,6 @@ def _hybrid_reason(cluster: Cluster, p: int, dp: int, mesh_order: str) -> str | 
         return _IN_ONE_NODE
     if shard == 1:
         return "hybrid_shard: one rank of each data-parallel group per node (nothing to shard: no_shard)"
-    return None
-
-
-def _weight_passing_reason(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> str | None:
-    chunks = config.num_stages
-    if cluster.num_devices % cluster.devices_per_node:
-        return f"weight passing needs whole nodes ({cluster.num_devices} devices, {cluster.devices_per_node} per node)"
-    if chunks > profile.num_layers:
-        return f"{chunks} chunks > {profile.num_layers} layers"
     return None
 
 
@@ -224,18 +211,18 @@ def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int
     rejected = [c for c in candidates if c.infeasible is not None][:infeasible]
     for i, c in enumerate([*feasible, *rejected], start=1):
         cfg, pred = c.config, c.prediction
-        passing = cfg.schedule == WEIGHT_PASSING
+        fixed = not cfg.kind.sharded  # weight passing: chunk owners instead of sharding, no mesh order
         cells = [
             str(i) if c.infeasible is None else "–",
-            cfg.schedule + (" (staggered)" if passing and cfg.stagger else ""),
+            cfg.schedule + (" (staggered)" if cfg.stagger else ""),
             str(cfg.pipeline_parallel_size),
             str(cfg.data_parallel_size),
             *([str(cfg.tensor_parallel_size)] if tensor else []),
             str(cfg.stages_per_rank),
             f"{cfg.num_microbatches} × {cfg.microbatch_size}",
             str(cfg.microbatch_group_size or ""),
-            "chunk owners" if passing else cfg.sharding,
-            "" if passing else cfg.mesh_order,
+            "chunk owners" if fixed else cfg.sharding,
+            "" if fixed else cfg.mesh_order,
             f"{pred.step_time:.3f}" if pred else "",
             f"{pred.throughput:,.1f}" if pred else "",
             f"{pred.bubble_fraction:.1%}" if pred else "",

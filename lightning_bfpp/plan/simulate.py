@@ -1,14 +1,16 @@
 """Simulate one training step of a configuration as an event timeline. Pure.
 
-The simulator executes the very action lists the runtime executes (:func:`lightning_bfpp.plan.schedule.generate`
-then :func:`~lightning_bfpp.plan.schedule.lower`), rank by rank, with this model of a device:
+:func:`simulate` asks the plan's schedule kind for its cost model; this module is the one of every activation
+pipeline. It executes the very action lists the runtime executes (:meth:`lightning_bfpp.plan.plan.Plan.lowered`),
+rank by rank, on the ranks the kind's placement gives each stage, with this model of a device:
 
 - compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
   for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered; a
   split backward's input gradient (``I``) takes ``LayerCost.input_grad_s`` and sends the gradient on, its
   weight gradient (``W``) takes ``LayerCost.weight_grad_s`` and waits only for its ``I`` (stage 0, with no
   input gradient to compute, spends its whole backward in ``W``, as torch's runtime does), and the
-  micro-batch's activations are held until its ``W``;
+  micro-batch's activations are held until its ``W``, with what the ``I`` keeps for the ``W`` beside them from
+  the ``I`` on (``LayerCost.intermediate_grad_bytes``: the output gradients of the layers' weighted operations);
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
@@ -29,80 +31,34 @@ rank as much as before.
 ``sharding="hybrid_shard"`` runs ``full_shard``'s action lists with the collectives of
 :mod:`~lightning_bfpp.plan.cluster`'s hybrid model (gathers and reduce-scatters inside a node, an all-reduce
 of each shard across nodes) and holds ``1/n_s`` of a stage's state instead of ``1/dp``.
-``schedule="weight_passing"`` has no activation pipeline; :mod:`lightning_bfpp.plan.weight_passing`
+``schedule="weight_passing"`` has no activation pipeline; its kind (:mod:`lightning_bfpp.plan.schedules.weight_passing`)
 simulates it.
 
 It returns the step time, the timeline (the same spans as measured traces, so both draw alike), the time
-each rank waited for its neighbours, peak memory per device and the bytes each device moved.
+each rank waited for its neighbours, peak memory per device (and each rank's peak of activations alone) and the
+bytes each device moved.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from lightning_bfpp.plan.actions import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, I, W
 from lightning_bfpp.plan.cluster import Cluster, Links, links, tensor_all_reduce_s, tensor_groups_as_devices
-from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
-from lightning_bfpp.plan.partition import balance_by_weight
-from lightning_bfpp.plan.schedule import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, I, W, generate, lower
+from lightning_bfpp.plan.costs import LayerCost, ModelProfile, balanced_counts, stage_costs
 from lightning_bfpp.plan.timeline import Span
 
+if TYPE_CHECKING:
+    from lightning_bfpp.plan.plan import Plan
 
-@dataclass(frozen=True)
-class PlanConfig:
-    schedule: str
-    pipeline_parallel_size: int
-    data_parallel_size: int
-    stages_per_rank: int
-    num_microbatches: int
-    microbatch_size: int
-    sharding: str = "full_shard"
-    microbatch_group_size: int | None = None
-    mesh_order: str = "data_pipeline"
-    stage_layer_counts: tuple[int, ...] | None = None
-    prefetch_stages: int = 1
-    # weight passing only: nodes start a chunk apart, so rails carry traffic both ways (not implemented by
-    # the runtime; a what-if)
-    stagger: bool = False
-    # ranks sharing each pipeline rank's layers by tensor parallelism (consecutive: inside a node)
-    tensor_parallel_size: int = 1
-
-    @property
-    def num_stages(self) -> int:
-        return self.pipeline_parallel_size * self.stages_per_rank
-
-    @property
-    def global_batch(self) -> int:
-        return self.data_parallel_size * self.num_microbatches * self.microbatch_size
-
-    @property
-    def weight_passing(self) -> bool:
-        return self.schedule == WEIGHT_PASSING
-
-    def describe(self) -> str:
-        if self.weight_passing:
-            return (
-                f"weight_passing{' staggered' if self.stagger else ''} chunks={self.data_parallel_size}"
-                f" m={self.num_microbatches}×{self.microbatch_size}"
-            )
-        group = f" N={self.microbatch_group_size}" if self.microbatch_group_size else ""
-        tensor = f" t={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
-        return (
-            f"{self.schedule}{group} p={self.pipeline_parallel_size} dp={self.data_parallel_size}{tensor}"
-            f" v={self.stages_per_rank} m={self.num_microbatches}×{self.microbatch_size} {self.sharding}"
-            f" {self.mesh_order}"
-        )
-
-
-WEIGHT_PASSING = "weight_passing"
 HYBRID_SHARD = "hybrid_shard"
 
 
 @dataclass
 class Prediction:
-    config: PlanConfig
+    config: Plan
     step_time: float
     bubble_fraction: float
     peak_memory: int
@@ -113,6 +69,13 @@ class Prediction:
     # per pipeline rank, the (time, ± bytes) changes behind its peak beyond the static state: activations kept
     # and freed, weights gathered and gradient buffers; empty where not simulated action by action
     memory_events: list[list[tuple[float, int]]] = field(default_factory=list, repr=False)
+    # per pipeline rank, the most activation memory it holds at once (what autograd keeps for backward, and what
+    # a split backward's input-gradient pass keeps for its weight pass); empty where not simulated
+    activation_peaks: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def plan(self) -> Plan:
+        return self.config
 
     @property
     def throughput(self) -> float:
@@ -120,15 +83,10 @@ class Prediction:
         return self.config.global_batch / self.step_time
 
 
-def balanced_counts(weights: Sequence[int], num_stages: int) -> tuple[int, ...]:
-    """:func:`~lightning_bfpp.plan.partition.balance_by_weight`, remembered: a search asks for the same cut of the
-    same layers for thousands of configurations, and the exact partition is quadratic in the layers."""
-    return _balanced_counts(tuple(weights), num_stages)
-
-
-@lru_cache(maxsize=1024)
-def _balanced_counts(weights: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
-    return tuple(balance_by_weight(weights, num_stages))
+def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
+    """Predict one training step of ``plan`` with its schedule kind's cost model (raises ``ValueError`` if the
+    schedule rejects it)."""
+    return plan.kind.simulate(plan, profile, cluster)
 
 
 class _Rank:
@@ -138,41 +96,33 @@ class _Rank:
         self.cursor = 0
         self.gathered: dict[int, float] = {}
         self.memory: list[tuple[float, int]] = []  # (time, +/- bytes)
+        self.activations: list[tuple[float, int]] = []  # the activation part of `memory`
         self.comm_bytes = 0
         self.pipeline_wait = 0.0
 
+    def hold(self, at: float, nbytes: int) -> None:
+        """Activations kept (positive) or freed (negative) at ``at``."""
+        self.memory.append((at, nbytes))
+        self.activations.append((at, nbytes))
 
-def simulate(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Prediction:
-    """Predict one training step of ``config`` (raises ``ValueError`` if the schedule rejects it)."""
-    if config.weight_passing:
-        from lightning_bfpp.plan.weight_passing import simulate_weight_passing
 
-        return simulate_weight_passing(config, profile, cluster)
-    p, dp, v, m = (
-        config.pipeline_parallel_size,
-        config.data_parallel_size,
-        config.stages_per_rank,
-        config.num_microbatches,
-    )
-    layers = profile.at_microbatch_size(config.microbatch_size)
-    t = config.tensor_parallel_size
+def simulate_pipeline(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
+    """Predict one training step of an activation pipeline (see the module docstring)."""
+    p, v = plan.pipeline_parallel_size, plan.stages_per_rank
+    layers = profile.at_microbatch_size(plan.microbatch_size)
+    t = plan.tensor_parallel_size
     # each tensor group acts as one device of the layout; each of its ranks pays its share (at t=1 this only
     # refuses layers measured split)
     layers = [layer.split_over_tensor_group(t, lambda n: tensor_all_reduce_s(cluster, t, n)) for layer in layers]
     cluster = tensor_groups_as_devices(cluster, t)
-    counts = config.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
+    counts = plan.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
-    compute = generate(config.schedule, p, v, m, config.microbatch_group_size)
-    # as the runtime does (Pipeline.lowered_schedule): no gather or reduction actions without data parallelism
-    # hybrid sharding's action lists are full sharding's (FSDP2 reshards after forward in both)
-    lowering = "full_shard" if config.sharding == HYBRID_SHARD else config.sharding
-    schedule = compute if dp == 1 else lower(compute, lowering, m, prefetch=config.prefetch_stages)
-    net = links(cluster, p, dp, config.mesh_order)
-    return _run(config, schedule, stages, profile, cluster, net)
+    net = links(cluster, p, plan.data_parallel_size, plan.mesh_order)
+    return _run(plan, plan.lowered(), stages, profile, cluster, net)
 
 
 def _run(
-    config: PlanConfig,
+    config: Plan,
     schedule: dict[int, list[Action]],
     stages: list[LayerCost],
     profile: ModelProfile,
@@ -199,15 +149,17 @@ def _run(
     first_backward: dict[int, float] = {}
     overhead = cluster.action_overhead_s
 
+    placement = config.placement
+
     def send(src: int, dst_stage: int, mb: int, at: float, nbytes: int, forward: bool) -> None:
-        dst = dst_stage % p
+        dst = placement.rank_of(dst_stage, p)
         ready = fwd_ready if forward else bwd_ready
         if dst == src:
             ready[(dst_stage, mb)] = at
             return
         link = (src, dst)
         start = max(at, link_free[link])
-        arrival = start + net.p2p_s(src if forward else dst, nbytes)
+        arrival = start + net.p2p_s(src, dst, nbytes)
         link_free[link] = arrival
         ready[(dst_stage, mb)] = arrival
         ranks[src].comm_bytes += nbytes
@@ -258,7 +210,7 @@ def _run(
                     end = start + cost.forward_s + overhead
                     spans.append(Span(rank, "forward", start, end, a.stage, a.microbatch))
                     r.host = fwd_done[key] = end
-                    r.memory.append((end, cost.saved_bytes))
+                    r.hold(end, cost.saved_bytes)
                     if a.stage + 1 < num_stages:
                         send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
                     else:
@@ -277,9 +229,11 @@ def _run(
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
                     if a.kind is B:
-                        r.memory.append((end, -cost.saved_bytes))
+                        r.hold(end, -cost.saved_bytes)
                     else:
-                        input_grad_done.add(key)  # the activations stay for the W
+                        input_grad_done.add(key)  # the activations stay for the W, and what the I keeps for it
+                        if a.stage > 0:  # stage 0's I computes nothing: its W is the whole backward
+                            r.hold(end, cost.intermediate_grad_bytes)
                     if a.stage > 0:
                         send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
                 elif a.kind is W:
@@ -289,7 +243,7 @@ def _run(
                     end = start + (cost.backward_s if a.stage == 0 else cost.weight_grad_s) + overhead
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
-                    r.memory.append((end, -cost.saved_bytes))
+                    r.hold(end, -cost.saved_bytes - (cost.intermediate_grad_bytes if a.stage > 0 else 0))
                 elif a.kind is REDUCE_GRAD:
                     start = max(r.host, r.dp_free)
                     if dp > 1:
@@ -314,7 +268,7 @@ def _run(
             raise ValueError(f"{config.describe()}: the schedule cannot make progress (a deadlock)")
 
     pipeline_end = max(max(r.host, r.dp_free) for r in ranks)
-    local_bytes = [sum(stages[s].param_bytes for s in range(rank, num_stages, p)) for rank in range(p)]
+    local_bytes = [sum(stages[s].param_bytes for s in config.stages_of(rank)) for rank in range(p)]
     held = [b / shard[rank] if sharded else b for rank, b in enumerate(local_bytes)]
     optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
     step_time = pipeline_end + optimizer_s
@@ -327,13 +281,18 @@ def _run(
     peaks = []
     for rank, r in enumerate(ranks):
         static = held[rank] * (2 + profile.optimizer_state_ratio)  # weights, gradients, optimizer state
-        current = peak = 0
-        for _, delta in sorted(r.memory, key=lambda event: (event[0], -event[1])):
-            current += delta
-            peak = max(peak, current)
-        peaks.append(int(static + peak))
+        peaks.append(int(static + _peak(r.memory)))
     bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
     return Prediction(
         config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans,
-        memory_events=[sorted(r.memory) for r in ranks],
+        memory_events=[sorted(r.memory) for r in ranks], activation_peaks=[_peak(r.activations) for r in ranks],
     )  # fmt: skip
+
+
+def _peak(events: list[tuple[float, int]]) -> int:
+    """The most held at once: ``events`` in time order, what is taken at an instant before what is freed."""
+    current = peak = 0
+    for _, delta in sorted(events, key=lambda event: (event[0], -event[1])):
+        current += delta
+        peak = max(peak, current)
+    return peak

@@ -138,12 +138,18 @@ def assert_params_match(result: RunResult, reference: Any, *, tol: float) -> flo
 def assert_trained_as_on_one_device(result: RunResult, run: RunSpec, *, tol: float) -> Any:
     """A pipelined run of the suite's module (``tests.models``) equals the same run on one process: every step's
     logged loss on every rank and every final parameter (relative ``tol``), and every weight moved by more than
-    30 times ``tol``, so that agreeing is not trivial. Returns the one-device reference."""
-    from tests.models import make_model, reference_run
+    30 times ``tol``, so that agreeing is not trivial, but the frozen ones (``run.model["frozen"]``), which are
+    exactly their initial values. Returns the one-device reference."""
+    from tests.models import is_frozen, make_model, reference_run
 
     ref = reference_run(run)
     assert_steps_match(result, ref, tol=tol)
     assert_params_match(result, ref, tol=tol)
     initial = make_model(run).state_dict()
-    assert min(relative_error(ref.params[k], initial[k]) for k in ref.params if k.endswith("weight")) > 30 * tol
+    frozen = tuple(run.model.get("frozen", ()))
+    trained = [k for k in ref.params if k.endswith("weight") and not is_frozen(k, frozen)]
+    assert min(relative_error(ref.params[k], initial[k]) for k in trained) > 30 * tol
+    for k in ref.params:
+        if is_frozen(k, frozen):
+            assert torch.equal(result.params[k], initial[k]), f"frozen {k} changed"
     return ref

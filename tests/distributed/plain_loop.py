@@ -80,9 +80,11 @@ def run(rank: int, out: str, init_file: str) -> None:
     import lightning_bfpp  # noqa: F401  the package asks for Lightning once, to register the strategy if it can
 
     _Refuse.attempts.clear()  # from here on the engine must not even try
-    from lightning_bfpp.engine.build import Placement, place, plan_stages
+    from lightning_bfpp.engine.build import BuildContext, build_pipeline
+    from lightning_bfpp.engine.layers import layer_weights
     from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, build_mesh
-    from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+    from lightning_bfpp.plan.config import PipelineConfig
+    from lightning_bfpp.plan.mesh import MeshShape
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P * DP)
@@ -94,12 +96,10 @@ def run(rank: int, out: str, init_file: str) -> None:
         pipeline_parallel_size=P, stages_per_rank=2, num_microbatches=MICROBATCHES, partition="uniform"
     )
     mesh = build_mesh(device, shape)
-    layout, plan = plan_stages(config, shape, named)
-    placement = Placement(config, shape, mesh, device, rank, P * DP, processes_per_node=P * DP)
-    build = place(model, named, layout, plan, placement, step_code=RegressionStep(), base_seed=0)
-    build.pending.share()  # every replica takes data-parallel rank 0's initial values
-    pipeline = build.pending.finish()
-    pipeline.executor.connect()
+    plan = config.resolve_plan(shape, layer_weights(named), layer_names=[name for name, _ in named])
+    context = BuildContext(mesh, device, rank, P * DP, processes_per_node=P * DP, step_code=RegressionStep())
+    # every replica takes data-parallel rank 0's initial values, then the stages are sharded
+    pipeline, _ = build_pipeline(model, lambda: (named, plan), context)
     stages = pipeline.stage_modules
     pipeline_rank = mesh[PIPELINE_PARALLEL].get_local_rank()
     replica = mesh[DATA_PARALLEL].get_local_rank()

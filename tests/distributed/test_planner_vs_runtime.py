@@ -17,7 +17,7 @@ import pytest
 
 from lightning_bfpp.measure.calibrate import run_emulated_many
 from lightning_bfpp.measure.emulated import EmulatedModel
-from lightning_bfpp.plan import Cluster, PlanConfig, simulate, uniform
+from lightning_bfpp.plan import Cluster, Plan, simulate, uniform
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -25,8 +25,8 @@ MODEL = EmulatedModel(layers=8, forward_ms=20.0, backward_ms=40.0, param_numel=1
 # the same layers with the backward split: 20 ms of input gradient, 20 ms of weight gradient
 SPLIT = replace(MODEL, backward_ms=20.0, weight_grad_ms=20.0)
 
-LOOPED = PlanConfig("breadth_first", 4, 1, 2, 4, 1)
-FLAT = PlanConfig("1f1b", 4, 1, 1, 4, 1)
+LOOPED = Plan("breadth_first", 4, 1, 2, 4, 1)
+FLAT = Plan("1f1b", 4, 1, 1, 4, 1)
 ZERO_BUBBLE = replace(LOOPED, schedule="breadth_first_zb")
 TENSOR = replace(LOOPED, pipeline_parallel_size=2, tensor_parallel_size=2)
 # 10 ms and 20 ms: tensor parallelism's all-reduces (a few ms each with gloo here) weigh against half of that

@@ -190,13 +190,14 @@ def test_transfers_per_step_match_the_formulas(results):
     broadcast per fetch and one reduce per backward.
     """
     from lightning_bfpp.engine.layers import layer_weights, pipeline_layers
-    from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+    from lightning_bfpp.plan.config import PipelineConfig
+    from lightning_bfpp.plan.mesh import MeshShape
 
     run = next(r for r in RUNS[(2, 2)] if r.name == "traffic_2x2")
     nodes, per_node, n, m = 2, 2, 4, 3
     named = pipeline_layers(make_model(run))
     config = PipelineConfig(**{k: v for k, v in run.strategy.items()})
-    layout = config.resolve_layout(MeshShape(1, n), layer_weights(named))
+    layout = config.resolve_plan(MeshShape(1, n), layer_weights(named))
     weights = layer_weights(named)
     psi = [
         4 * sum(weights[i] for i in range(sum(layout.stage_layer_counts[:c]), sum(layout.stage_layer_counts[: c + 1])))

@@ -1,13 +1,19 @@
-"""``schedule="breadth_first_zb"`` trains equal to one device.
+"""The schedules with a split backward train equal to one device.
 
-Breadth-first's sweeps with the backward split into input gradients (``I``, torch's ``BACKWARD_INPUT``) and
-weight gradients (``W``, ``BACKWARD_WEIGHT``), the weight gradients placed where the rank would wait
-(:func:`lightning_bfpp.plan.schedule.breadth_first_zb`). On 4 CPU processes, fp32, SGD (a wrong gradient
-scale shows): p=2 dp=2 v=2 m=4 with each sharding, with the reductions on the communication thread, with
-gradient accumulation over 2 batches, with a weight tied across stages (embedding and head, clipped), with
-activation checkpointing, and p=4 dp=1 v=2 m=2 (fewer micro-batches than ranks, where the weight gradients
-also fill the waits between sweeps).
-Every step's loss on every rank and every final weight within 1e-5 of one device's.
+``schedule="breadth_first_zb"``: breadth-first's sweeps with the backward split into input gradients (``I``,
+torch's ``BACKWARD_INPUT``) and weight gradients (``W``, ``BACKWARD_WEIGHT``), the weight gradients placed where
+the rank would wait (:func:`lightning_bfpp.plan.schedules.breadth_first.breadth_first_zb`). On 4 CPU processes,
+fp32, SGD (a wrong gradient scale shows): p=2 dp=2 v=2 m=4 with each sharding, with the reductions on the
+communication thread, with gradient accumulation over 2 batches, with a weight tied across stages (the first and
+last blocks', clipped), with activation checkpointing, and p=4 dp=1 v=2 m=2 (fewer micro-batches than ranks, where
+the weight gradients also fill the waits between sweeps).
+
+``schedule="interleaved_zb"`` (torch's ZB-H1 order, looping placement) and ``schedule="zbv"`` (ZB-V: the stages in
+a V, the tied first and last blocks then on one rank), each at p=2 dp=2 v=2 m=4 under ``full_shard``: plain, with
+the tied weight (clipped), and with frozen parameters (the embedding and one block's weight) and gradient
+accumulation over 2 batches.
+
+Every step's loss on every rank and every final weight within 1e-5 of one device's; frozen weights unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ RUNS = [
     # the input-gradient pass recomputes the layer; the weight pass reads what that recomputation saved
     zb_run("recompute", {"activation_checkpointing": True}),
 ]
+FROZEN = {"frozen": ["embed", "blocks.1.up.weight"]}
+for _schedule in ("interleaved_zb", "zbv"):
+    _kind = {"schedule": _schedule}
+    RUNS += [
+        zb_run(f"{_schedule}_full_shard", _kind),
+        zb_run(f"{_schedule}_tied_clipped", _kind, model={"tie_blocks": True}, trainer={"gradient_clip_val": 0.05}),
+        zb_run(
+            f"{_schedule}_frozen_accumulate",
+            _kind,
+            model=FROZEN,
+            trainer={"accumulate_grad_batches": 2, "max_steps": 3},
+        ),
+    ]
 
 
 @pytest.fixture(scope="module")

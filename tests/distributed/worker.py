@@ -276,8 +276,8 @@ class Probe(L.Callback):
             for stage, module in zip(pipeline.local_stages, pipeline.stage_modules, strict=True)
             for p in module.parameters()
         }
-        local_layers = set(strategy.stage_plan.layers_of(strategy.pipeline_rank))
-        layout = strategy.layout
+        local_layers = set(strategy.plan.layers_of(strategy.pipeline_rank))
+        layout = strategy.plan
         self.holdings = {
             "intra_op_threads": torch.get_num_threads(),
             "layout": {
@@ -306,7 +306,7 @@ class Probe(L.Callback):
     def _install_layer_probe(self, strategy: BFPPStrategy) -> None:
         """Count each local layer's forward calls per step (recomputation calls the layer again) and record the
         dtype of every ``nn.Linear`` output (the matmul's), with hooks on the layer objects the stages run."""
-        assert strategy.pipeline is not None and strategy.stage_plan is not None
+        assert strategy.pipeline is not None and strategy.plan is not None
         pipeline, log = strategy.pipeline, self.events
         calls: dict[str, dict[str, int]] = {}
         dtypes: dict[str, set[str]] = {}
@@ -322,7 +322,7 @@ class Probe(L.Callback):
             dtypes.setdefault(str(log.step), set()).add(str(output.dtype))
 
         for stage, module in zip(pipeline.local_stages, pipeline.stage_modules, strict=True):
-            for name, layer in zip(strategy.stage_plan.stage_layers(stage), module.layers, strict=True):
+            for name, layer in zip(strategy.plan.stage_layers(stage), module.layers, strict=True):
                 inner = layer.layer if isinstance(layer, Recompute) else layer
                 self._hooks.append(inner.register_forward_pre_hook(count(name)))
                 for sub in inner.modules():
@@ -438,7 +438,7 @@ def _record_planner_ranking() -> list[dict[str, Any]]:
     """``planner_ranking``: the feasible layouts ``pipeline_parallel_size="auto"`` ranked, best first, with the
     stage partition each was simulated with (filled on global rank 0, where the planner runs)."""
     from lightning_bfpp.adapter import auto
-    from lightning_bfpp.plan.simulate import balanced_counts
+    from lightning_bfpp.plan.costs import balanced_counts
 
     search = auto.search_per_replica_batch
     if not getattr(search, "recording", False):
@@ -469,7 +469,7 @@ def _record_planner_ranking() -> list[dict[str, Any]]:
 
 def _layout_run(strategy: Any) -> dict[str, Any]:
     """The layout the strategy ran, in the planner's terms."""
-    layout, config = strategy.layout, strategy.config
+    layout, config = strategy.plan, strategy.config
     return {
         "schedule": config.schedule,
         "pipeline_parallel_size": layout.pipeline_parallel_size,

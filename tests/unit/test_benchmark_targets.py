@@ -12,7 +12,8 @@ from benchmarks.suite import configs
 from benchmarks.suite.report import Row, Spread, add_ratios
 from benchmarks.suite.spec import TORCH_SCHEDULES, Emulated, Job, bound_s
 from benchmarks.suite.workers import stage_indices
-from lightning_bfpp.plan.schedule import B, F, I, W, generate
+from lightning_bfpp.plan.actions import B, F, I, W
+from lightning_bfpp.plan.schedules import generate
 
 
 def _row(name: str, *, step: float | None = None, rate: float | None = None, bound: float | None = None) -> Row:

@@ -28,7 +28,17 @@ from lightning_bfpp.engine.runtime import (
     transfers_independent,
 )
 from lightning_bfpp.engine.trace import StepTracer
-from lightning_bfpp.plan.schedule import Action, Kind, breadth_first, forward_only, lower
+from lightning_bfpp.plan.actions import Action, Kind, add_sharding_actions
+from lightning_bfpp.plan.schedules import get_schedule
+from lightning_bfpp.plan.schedules.breadth_first import breadth_first
+
+
+def lower(schedule, sharding, m):
+    return {rank: add_sharding_actions(actions, sharding, m) for rank, actions in schedule.items()}
+
+
+def forward_only(p, v, m):
+    return get_schedule("breadth_first").evaluation(p, v, m)
 
 
 def test_supported_torch_version():
@@ -42,7 +52,7 @@ def test_action_kinds_map_onto_torch_ir():
 
 
 def _action(kind):
-    from lightning_bfpp.plan.schedule import Action
+    from lightning_bfpp.plan.actions import Action
 
     return Action(3, kind, 1 if kind in (Kind.FORWARD, Kind.BACKWARD) else None)
 
@@ -123,7 +133,7 @@ class _Recorded:
 
                 setattr(stage, method, recorded)
         self.schedule = PlannedSchedule(
-            stages, lower(plan, "full_shard", 2), 2, self.loss_fn, pipeline_parallel_size=1, backward=backward
+            stages, lower(plan, "full_shard", 2), 2, self.loss_fn, stage_to_rank={0: 0, 1: 0}, backward=backward
         )
         return self.schedule
 
@@ -337,7 +347,7 @@ def test_stream_mode_reductions_make_the_compute_stream_wait_only_after_the_last
         stages = build_stages(rec.modules, [0, 1], 2, torch.device("cpu"), dist.group.WORLD)
         plan = lower(breadth_first(1, 2, 2), "full_shard", 2)
         rec.schedule = PlannedSchedule(
-            stages, plan, 2, lambda out, mb: out.pow(2).sum(), pipeline_parallel_size=1, backward=True,
+            stages, plan, 2, lambda out, mb: out.pow(2).sum(), stage_to_rank={0: 0, 1: 0}, backward=True,
             reductions=reductions,
         )  # fmt: skip
         for _ in range(2):  # the second step runs on the inferred shapes

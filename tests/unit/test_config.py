@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.mesh import MeshShape
 
 
 @pytest.mark.parametrize(
@@ -37,21 +38,21 @@ def test_mesh_resolution():
 
 def test_layout_resolution():
     mesh = MeshShape(2, 1)
-    layout = PipelineConfig().resolve_layout(mesh, [10] * 6)
+    layout = PipelineConfig().resolve_plan(mesh, [10] * 6)
     assert (layout.stages_per_rank, layout.num_microbatches, layout.num_stages) == (2, 2, 4)
-    assert PipelineConfig().resolve_layout(mesh, [10] * 3).stages_per_rank == 1
-    layout = PipelineConfig(partition=[1, 2, 2, 1]).resolve_layout(mesh, [10] * 6)
+    assert PipelineConfig().resolve_plan(mesh, [10] * 3).stages_per_rank == 1
+    layout = PipelineConfig(partition=[1, 2, 2, 1]).resolve_plan(mesh, [10] * 6)
     assert layout.stage_layer_counts == (1, 2, 2, 1) and layout.stages_per_rank == 2
     with pytest.raises(ValueError, match="returns 3 layers, fewer than the 4 stages"):
-        PipelineConfig(stages_per_rank=2).resolve_layout(mesh, [1, 2, 3])
+        PipelineConfig(stages_per_rank=2).resolve_plan(mesh, [1, 2, 3])
     with pytest.raises(ValueError, match="must add up to 6"):
-        PipelineConfig(partition=[1, 1, 1, 1]).resolve_layout(mesh, [10] * 6)
+        PipelineConfig(partition=[1, 1, 1, 1]).resolve_plan(mesh, [10] * 6)
 
 
 def test_time_partition_balances_the_given_times():
     mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
     config = PipelineConfig(partition="time", stages_per_rank=1)
     # equal parameters, one slow layer at the end: time puts it alone
-    assert config.resolve_layout(mesh, [10] * 4, [0.001, 0.001, 0.001, 0.003]).stage_layer_counts == (3, 1)
+    assert config.resolve_plan(mesh, [10] * 4, [0.001, 0.001, 0.001, 0.003]).stage_layer_counts == (3, 1)
     with pytest.raises(ValueError, match="one measured time per layer"):
-        config.resolve_layout(mesh, [10] * 4)
+        config.resolve_plan(mesh, [10] * 4)

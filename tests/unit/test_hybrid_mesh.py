@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_bfpp.engine.sharding import REPLICATE, SHARD, build_mesh, data_parallel_mesh, second_data_parallel_group
-from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.mesh import MeshShape
 
 
 def resolve(world: int, per_node: int, p: int, order: str = "data_pipeline") -> MeshShape:

@@ -22,12 +22,20 @@ PACKAGE = REPO / "lightning_bfpp"
 
 
 def _modules(folder: str) -> list[str]:
-    """Every module of a layer's folder, read from the folder so that a new one cannot be left out."""
-    return sorted(
-        f"lightning_bfpp.{folder}.{path.stem}"
-        for path in (PACKAGE / folder).glob("*.py")
-        if path.stem not in ("__init__", "__main__")
-    )
+    """Every module of a layer's folder and its sub-packages (a package as its ``__init__``), read from the folder
+    so that a new one cannot be left out."""
+    names = []
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__main__" or parts == (folder, "__init__"):
+            continue
+        names.append("lightning_bfpp." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _path(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 ENGINE = _modules("engine")
@@ -89,26 +97,83 @@ _LAYERS_ABOVE = (
 )
 
 
-def _imports_outside_planning(path: Path) -> list[str]:
-    """What a module's import statements name that planning must not use (``import torch`` itself loads
-    ``torch.distributed``, so this reads the source rather than ``sys.modules``)."""
+def _imported_names(path: Path, *, typing_only: bool = True) -> list[str]:
+    """What a module's import statements name, at any depth (lazy imports in functions too); ``typing_only=False``
+    leaves out those under ``if TYPE_CHECKING:``, which never run."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                skipped |= {id(inner) for inner in ast.walk(node)}
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _imports_outside_planning(path: Path) -> list[str]:
+    """What a module's import statements name that planning must not use (``import torch`` itself loads
+    ``torch.distributed``, so this reads the source rather than ``sys.modules``)."""
+    names = _imported_names(path)
     return sorted({n for n in names if any(n == b or n.startswith(b + ".") for b in _NOT_IN_PLANNING + _LAYERS_ABOVE)})
+
+
+def _import_graph(modules: list[str]) -> dict[str, set[str]]:
+    """Which of ``modules`` each imports when it runs (a submodule's own parent package not counted: Python
+    initialises it first, whatever the submodule imports)."""
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for module in modules:
+        targets = {n for n in _imported_names(_path(module), typing_only=False) if n in known}
+        graph[module] = {t for t in targets if t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
 
 
 def test_planning_modules_use_no_process_groups_lightning_or_engine():
     """Partition, schedules and the planner are pure: unit-tested without processes, usable offline. (The
     command line, ``plan/__main__.py``, imports the measuring code when asked to measure.)"""
-    assert "lightning_bfpp.plan.schedule" in PLAN and "lightning_bfpp.plan.simulate" in PLAN
-    found = {m: _imports_outside_planning(PACKAGE / "plan" / f"{m.rsplit('.', 1)[1]}.py") for m in PLAN}
+    assert {"lightning_bfpp.plan.actions", "lightning_bfpp.plan.simulate", "lightning_bfpp.plan.schedules"} <= set(PLAN)
+    assert "lightning_bfpp.plan.schedules.zero_bubble" in PLAN
+    found = {m: _imports_outside_planning(_path(m)) for m in PLAN}
     assert not any(found.values()), {m: names for m, names in found.items() if names}
     proc = _import_blocked(*PLAN, "lightning_bfpp.plan")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_planning_imports_form_no_circle():
+    """No module of ``plan/`` imports, when it runs, one that imports it back (directly or round a longer
+    circle): the registry, the plan, the simulator and the kinds' cost models each depend one way."""
+    assert _cycle(_import_graph(PLAN)) is None, _cycle(_import_graph(PLAN))
+    # the check finds a circle where there is one
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_the_planning_check_can_fail():

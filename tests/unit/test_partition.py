@@ -4,12 +4,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_bfpp.plan.partition import StagePlan, balance_by_weight, rank_stages, stage_rank, uniform_counts
+from lightning_bfpp.plan import Plan
+from lightning_bfpp.plan.partition import balance_by_weight, uniform_counts
+from lightning_bfpp.plan.placement import LOOP, V
 
 
 def test_looping_placement():
-    assert [stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert rank_stages(1, 4, 3) == (1, 5, 9)
+    assert [LOOP.rank_of(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert LOOP.stages_of(1, 4, 3) == (1, 5, 9)
+
+
+def test_v_placement_goes_down_the_ranks_and_back_up():
+    assert [V.rank_of(s, 4) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert V.stages_of(0, 4, 2) == (0, 7) and V.stages_of(3, 4, 2) == (3, 4)
+    assert V.stages_of(1, 2, 4) == (1, 2, 5, 6)  # a second V after the first
+    for p, v in ((1, 2), (3, 2), (4, 4)):
+        stages = sorted(s for r in range(p) for s in V.stages_of(r, p, v))
+        assert stages == list(range(p * v)) and all(len(V.stages_of(r, p, v)) == v for r in range(p))
 
 
 def test_uniform_counts():
@@ -57,13 +68,19 @@ def test_balance_is_optimal_and_contiguous(weights, data):
     assert heaviest(counts) == best
 
 
-def test_stage_plan_maps_layers_stages_and_ranks():
+def test_plan_maps_layers_stages_and_ranks():
     names = tuple(f"blocks.{i}" for i in range(8))
-    plan = StagePlan(names, (2, 2, 2, 2), pipeline_parallel_size=2)
+    plan = Plan("breadth_first", 2, 1, 2, 2, stage_layer_counts=(2, 2, 2, 2), layer_names=names)
     assert plan.stages_per_rank == 2
     assert plan.stage_layers(2) == ("blocks.4", "blocks.5")
     assert plan.stages_of(1) == (1, 3)
     assert plan.layers_of(1) == ("blocks.2", "blocks.3", "blocks.6", "blocks.7")
-    assert "stage   3 on pipeline rank   1" in plan.describe([1] * 8)
-    with pytest.raises(ValueError, match="multiple"):
-        StagePlan(names, (4, 2, 2), pipeline_parallel_size=2)
+    assert plan.stage_of_layer() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "stage   3 on pipeline rank   1" in plan.describe_stages([1] * 8)
+    with pytest.raises(ValueError, match="3 stage layer counts for 4 stages"):
+        Plan("breadth_first", 2, 1, 2, 2, stage_layer_counts=(4, 2, 2), layer_names=names)
+    with pytest.raises(ValueError, match="add up to the number of layers"):
+        Plan("breadth_first", 2, 1, 2, 2, stage_layer_counts=(2, 2, 2, 1), layer_names=names)
+    # the V placement: stage 3 (the last) on rank 0, with stage 0
+    v = Plan("zbv", 2, 1, 2, 2, stage_layer_counts=(2, 2, 2, 2), layer_names=names)
+    assert v.stages_of(0) == (0, 3) and v.layers_of(0) == ("blocks.0", "blocks.1", "blocks.6", "blocks.7")

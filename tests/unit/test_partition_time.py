@@ -23,7 +23,8 @@ import torch
 from lightning_bfpp.adapter.user_step import capture_model_input
 from lightning_bfpp.engine.layers import layer_weights, pipeline_layers
 from lightning_bfpp.measure.profile import profile_module
-from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.mesh import MeshShape
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,12 +98,12 @@ def test_time_partition_balances_compute_where_parameters_do_not():
         # the best. A profile disturbed by the machine's other work can even give the parameters' cut; such an
         # attempt counts as failed, not as the answer.
         mesh = MeshShape(pipeline_parallel_size=2, data_parallel_size=1)
-        by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_layout(mesh, weights)
+        by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_plan(mesh, weights)
         attempts = []
         for _ in range(3):
             profile = profile_module(module, batch, repeats=5)
             times = [layer.forward_s + layer.backward_s for layer in profile.layers]
-            by_time = PipelineConfig(partition="time", stages_per_rank=1).resolve_layout(mesh, weights, times)
+            by_time = PipelineConfig(partition="time", stages_per_rank=1).resolve_plan(mesh, weights, times)
             spread = {"counts": by_time.stage_layer_counts}
             for name, layout in (("time", by_time), ("parameters", by_params)):
                 stage = _stage_times(module, batch, layout.stage_layer_counts)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_bfpp.plan import Cluster, PlanConfig, SearchSpace, format_table, gpt, search, simulate, uniform
+from lightning_bfpp.plan import Cluster, Plan, SearchSpace, format_table, gpt, search, simulate, uniform
 from lightning_bfpp.plan.__main__ import main, quantity
 from lightning_bfpp.plan.cluster import links
 
@@ -24,7 +24,7 @@ def model(layers=16, param_bytes=1, saved=100):
 def test_non_looped_schedules_take_m_plus_p_minus_one_slots(p, m):
     per_stage = (T_F + T_B) * 16 / p
     for schedule in ("gpipe", "1f1b"):
-        step = simulate(PlanConfig(schedule, p, 1, 1, m, 1), model(), FREE).step_time
+        step = simulate(Plan(schedule, p, 1, 1, m, 1), model(), FREE).step_time
         assert step == pytest.approx((m + p - 1) * per_stage)
 
 
@@ -33,23 +33,23 @@ def test_looped_schedules_cut_the_bubble_by_v(p, v, m):
     # the paper's bubble (p − 1)/(v·m) for m ≥ p: step = m·(tF+tB)_rank + (p − 1)·(tF+tB)_stage
     rank_time = (T_F + T_B) * 16 / p
     expected = m * rank_time + (p - 1) * rank_time / v
-    assert simulate(PlanConfig("breadth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
+    assert simulate(Plan("breadth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
     if m >= p:
-        assert simulate(PlanConfig("depth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
+        assert simulate(Plan("depth_first", p, 1, v, m, 1), model(), FREE).step_time == pytest.approx(expected)
 
 
 def test_breadth_first_with_fewer_microbatches_than_ranks_stalls_each_loop():
     p, v, m = 4, 2, 2
     stage = (T_F + T_B) * 16 / (p * v)
-    step = simulate(PlanConfig("breadth_first", p, 1, v, m, 1), model(), FREE).step_time
+    step = simulate(Plan("breadth_first", p, 1, v, m, 1), model(), FREE).step_time
     ideal = m * v * stage
     assert step / ideal - 1 == pytest.approx((v * (p - m) + m - 1) / (v * m))
 
 
 def test_activation_memory_breadth_first_holds_every_microbatch_1f1b_at_most_p():
     p, m, saved = 4, 16, 100
-    bf = simulate(PlanConfig("breadth_first", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
-    ofob = simulate(PlanConfig("1f1b", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
+    bf = simulate(Plan("breadth_first", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
+    ofob = simulate(Plan("1f1b", p, 1, 1, m, 1), model(saved=saved), FREE).peak_memory
     layers_per_rank = 16 // p
     assert bf == pytest.approx(m * layers_per_rank * saved, rel=0.01)
     assert ofob == pytest.approx(p * layers_per_rank * saved, rel=0.01)
@@ -58,8 +58,8 @@ def test_activation_memory_breadth_first_holds_every_microbatch_1f1b_at_most_p()
 def test_full_shard_traffic_and_memory():
     big = model(param_bytes=1000, saved=0)
     cluster = Cluster(4, 4, 2**40, 1e18, 1e18, latency_s=0.0)
-    bf = simulate(PlanConfig("breadth_first", 2, 2, 2, 8, 1), big, cluster)
-    df = simulate(PlanConfig("depth_first", 2, 2, 2, 8, 1), big, cluster)
+    bf = simulate(Plan("breadth_first", 2, 2, 2, 8, 1), big, cluster)
+    df = simulate(Plan("depth_first", 2, 2, 2, 8, 1), big, cluster)
     stage_bytes = 1000 * 16 // 4
     # breadth-first: 2v−1 gathers and v reductions of a stage, each moving half its bytes (dp=2)
     assert bf.comm_bytes >= (3 + 2) * stage_bytes // 2
@@ -122,7 +122,7 @@ def test_overlapping_reductions_never_slows_a_step():
     profile = uniform(16, 1e-3, 2e-3, 2**24, 2**16, 2**16)
     cluster = Cluster(8, 8, 2**40, 1e9, 1e9)
     for schedule in ("breadth_first", "depth_first"):
-        config = PlanConfig(schedule, 4, 2, 2, 8, 1)
+        config = Plan(schedule, 4, 2, 2, 8, 1)
         plain = simulate(config, profile, cluster).step_time
         overlapped = simulate(config, profile, Cluster(8, 8, 2**40, 1e9, 1e9, overlap_reductions=True)).step_time
         assert overlapped <= plain and not math.isclose(overlapped, plain)
@@ -223,7 +223,7 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     profile = uniform(2, 1.0, 2.0, 300, 1, 1, optimizer_state_ratio=0.0)
     quiet = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0)
     busy = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0, step_overhead_s=5.0)
-    config = PlanConfig("breadth_first", 1, 2, 1, 1, 1)
+    config = Plan("breadth_first", 1, 2, 1, 1, 1)
     alone = simulate(config, profile, quiet).step_time
     assert alone == pytest.approx(3 + 2 + 4 + 3)  # gather, forward, backward, blocking reduce
     prefetched = simulate(config, profile, busy)
@@ -231,7 +231,7 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     spans = [(s.kind, s.start) for s in prefetched.spans if s.rank == 0 and s.kind in ("gather", "forward")]
     assert spans[:2] == [("gather", 0.0), ("forward", 5.0)]
     # without the runtime's prefetch, the first gather waits for the host work
-    late = simulate(PlanConfig("breadth_first", 1, 2, 1, 1, 1, prefetch_stages=0), profile, busy)
+    late = simulate(Plan("breadth_first", 1, 2, 1, 1, 1, prefetch_stages=0), profile, busy)
     assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)
 
 

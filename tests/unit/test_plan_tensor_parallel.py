@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_bfpp.plan import Cluster, PlanConfig, SearchSpace, gpt, search, simulate
+from lightning_bfpp.plan import Cluster, Plan, SearchSpace, gpt, search, simulate
 from lightning_bfpp.plan.cluster import tensor_all_reduce_s, tensor_groups_as_devices
 
 CLUSTER = Cluster(num_devices=16, devices_per_node=8, memory_bytes=80 * 2**30, intra_node_bandwidth=200e9,
@@ -37,8 +37,8 @@ def test_tensor_groups_are_the_layouts_devices():
 
 
 def test_tensor_parallelism_trades_compute_and_memory_for_all_reduces():
-    base = PlanConfig("breadth_first", 2, 8, 2, 4, 1)
-    tp = PlanConfig("breadth_first", 2, 2, 2, 4, 1, tensor_parallel_size=4)
+    base = Plan("breadth_first", 2, 8, 2, 4, 1)
+    tp = Plan("breadth_first", 2, 2, 2, 4, 1, tensor_parallel_size=4)
     alone, split = simulate(base, MODEL, CLUSTER), simulate(tp, MODEL, CLUSTER)
     assert "t=4" in tp.describe()
     # a quarter of the weights per rank (the embedding and head are not split), less activation memory
@@ -97,7 +97,7 @@ def test_a_layer_measured_split_only_gains_its_all_reduces_and_only_at_its_size(
     for size in (1, 2):
         match = f"measured split over 4 tensor ranks cannot be planned at tensor_parallel_size={size}"
         with pytest.raises(ValueError, match=match):
-            simulate(PlanConfig("breadth_first", 2, 2, 1, 4, 1, tensor_parallel_size=size),
+            simulate(Plan("breadth_first", 2, 2, 1, 4, 1, tensor_parallel_size=size),
                      replace(MODEL, layers=(share,) * 4), replace(CLUSTER, num_devices=4 * size))  # fmt: skip
 
 

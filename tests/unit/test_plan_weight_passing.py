@@ -5,9 +5,9 @@ import itertools
 
 import pytest
 
-from lightning_bfpp.plan import Cluster, LayerCost, PlanConfig, SearchSpace, simulate, uniform
-from lightning_bfpp.plan import weight_passing as wp
+from lightning_bfpp.plan import Cluster, LayerCost, Plan, SearchSpace, simulate, uniform
 from lightning_bfpp.plan.cluster import hybrid_inter_node_bytes, links
+from lightning_bfpp.plan.schedules import weight_passing as wp
 from lightning_bfpp.plan.search import search, search_per_replica_batch
 
 T_F, T_B = 1.0, 2.0  # per layer and micro-batch; weight passing's backward adds a recomputed forward: 3.0,
@@ -24,7 +24,7 @@ def two_nodes(rail_bandwidth, **kwargs):
 
 
 def passing(devices, microbatches, microbatch_size=1, stagger=False):
-    return PlanConfig("weight_passing", 1, devices, devices, microbatches, microbatch_size, stagger=stagger)
+    return Plan("weight_passing", 1, devices, devices, microbatches, microbatch_size, stagger=stagger)
 
 
 def test_chunk_owners_are_device_bound_storage():
@@ -130,21 +130,16 @@ def test_simulated_fetches_and_bytes_are_the_formulas():
 
 
 def test_the_runtime_lowering_fetches_what_the_model_fetches():
-    from lightning_bfpp.plan import schedule
+    from lightning_bfpp.plan.actions import REDUCE_GRAD, UNSHARD, count
 
-    if "weight_passing" not in schedule.SCHEDULES:
-        pytest.skip("the runtime's weight-passing schedule is not in this checkout")
     p, n = 4, 3
-    try:
-        lowered = schedule.lower(schedule.generate("weight_passing", 1, p, n), "weight_passing", n)[0]
-    except ValueError as error:
-        pytest.skip(f"the runtime's weight-passing lowering differs: {error}")
+    lowered = passing(p, n).lowered()[0]  # what the runtime runs: the plan's one lowering
     order = wp.visits(p, n)
     counts = [0] * p
     for (_, c, _), needed in zip(order, wp.fetched(order), strict=True):
         counts[c] += needed
-    assert [schedule.count(lowered, schedule.UNSHARD, c) for c in range(p)] == counts
-    assert [schedule.count(lowered, schedule.REDUCE_GRAD, c) for c in range(p)] == [n] * p
+    assert [count(lowered, UNSHARD, c) for c in range(p)] == counts
+    assert [count(lowered, REDUCE_GRAD, c) for c in range(p)] == [n] * p
 
 
 def test_memory_owned_state_two_buffers_inputs_and_one_recomputed_chunk():
@@ -161,7 +156,7 @@ def test_weight_passing_needs_a_chunk_per_device():
     with pytest.raises(ValueError, match="chunks > 2 layers"):
         simulate(passing(4, 1), model(layers=2), Cluster(4, 2, 2**40, 1.0, 1.0))
     with pytest.raises(ValueError, match="one chunk per device"):
-        simulate(PlanConfig("weight_passing", 1, 4, 1, 1, 1), model(layers=8), Cluster(4, 2, 2**40, 1.0, 1.0))
+        simulate(Plan("weight_passing", 1, 4, 1, 1, 1), model(layers=8), Cluster(4, 2, 2**40, 1.0, 1.0))
 
 
 def test_hybrid_shard_gathers_in_a_node_and_all_reduces_a_shard_across_nodes():
@@ -173,14 +168,14 @@ def test_hybrid_shard_gathers_in_a_node_and_all_reduces_a_shard_across_nodes():
     assert net.hybrid_reduce_s(0, 800) == pytest.approx(7 + 100)
     assert hybrid_inter_node_bytes(800, 2) == 800  # 2·Ψ·(D − 1)/D per node, whatever the micro-batches
     profile = uniform(8, T_F, T_B, 100, 1, 0, optimizer_state_ratio=0.0)
-    hybrid = simulate(PlanConfig("1f1b", 1, 16, 1, 1, 1, "hybrid_shard"), profile, cluster)
+    hybrid = simulate(Plan("1f1b", 1, 16, 1, 1, 1, "hybrid_shard"), profile, cluster)
     assert hybrid.step_time == pytest.approx(7 + 8 * (T_F + T_B) + 107)  # gather, compute, blocking reduce
     assert hybrid.comm_bytes == 800 * 7 / 8 + 800 * (7 / 8 + 2 * (1 / 2) / 8)
-    full = simulate(PlanConfig("1f1b", 1, 16, 1, 1, 1, "full_shard"), profile, cluster)
+    full = simulate(Plan("1f1b", 1, 16, 1, 1, 1, "full_shard"), profile, cluster)
     # both hold the unsharded stage and its gradient buffer; hybrid keeps 1/8 of the state, full 1/16
     assert hybrid.peak_memory - full.peak_memory == 2 * (800 / 8 - 800 / 16)
     # the number of micro-batches changes hybrid's compute, not its traffic
-    more = simulate(PlanConfig("1f1b", 1, 16, 1, 4, 1, "hybrid_shard"), profile, cluster)
+    more = simulate(Plan("1f1b", 1, 16, 1, 4, 1, "hybrid_shard"), profile, cluster)
     assert more.comm_bytes == hybrid.comm_bytes
 
 

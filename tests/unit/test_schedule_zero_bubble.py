@@ -8,13 +8,10 @@ from torch.distributed.pipelining.schedules import _Action as TorchAction
 from torch.distributed.pipelining.schedules import _add_send_recv, _validate_schedule
 from torch.distributed.pipelining.schedules import _ComputationType as TorchKind
 
-from lightning_bfpp.plan import Cluster, LayerCost, ModelProfile, PlanConfig, gpt, simulate, uniform
-from lightning_bfpp.plan.costs import stage_costs
-from lightning_bfpp.plan.schedule import (
-    LOOPED_SCHEDULES,
+from lightning_bfpp.plan import Cluster, LayerCost, ModelProfile, Plan, gpt, simulate, uniform
+from lightning_bfpp.plan.actions import (
     REDUCE_GRAD,
     RESHARD,
-    SCHEDULES,
     UNSHARD,
     Action,
     B,
@@ -24,15 +21,15 @@ from lightning_bfpp.plan.schedule import (
     ScheduleError,
     W,
     add_sharding_actions,
-    breadth_first,
-    breadth_first_zb,
     count,
-    generate,
-    lower,
     max_resident_stages,
     parse_schedule,
     validate,
 )
+from lightning_bfpp.plan.costs import stage_costs
+from lightning_bfpp.plan.placement import LOOP
+from lightning_bfpp.plan.schedules import generate, get_schedule, schedule_names
+from lightning_bfpp.plan.schedules.breadth_first import breadth_first, breadth_first_zb
 
 SIZES = [(p, v, m) for p in range(1, 5) for v in range(1, 4) for m in range(1, 2 * p + 3)]
 
@@ -56,8 +53,14 @@ def test_split_backward_actions_round_trip_like_torch():
     assert Action.parse("2W0") == Action(2, W, 0)
 
 
+def lower(schedule, sharding, m, **options):
+    """Every rank's list through :func:`add_sharding_actions` (what a plan's kind does by default)."""
+    return {rank: add_sharding_actions(actions, sharding, m, **options) for rank, actions in schedule.items()}
+
+
 def test_registered_as_a_looped_schedule():
-    assert "breadth_first_zb" in SCHEDULES and "breadth_first_zb" in LOOPED_SCHEDULES
+    kind = get_schedule("breadth_first_zb")
+    assert "breadth_first_zb" in schedule_names() and kind.placement == LOOP and kind.splits_backward
     assert generate("breadth_first_zb", 2, 2, 4) == breadth_first_zb(2, 2, 4)
     with pytest.raises(ValueError, match="applies to schedule='depth_first'"):
         generate("breadth_first_zb", 2, 2, 4, microbatch_group_size=2)
@@ -153,7 +156,7 @@ def test_lowering_gathers_for_every_compute_and_reduces_after_the_last_w(p, v, m
 
 
 def test_weight_passing_lowering_reduces_only_after_visits_with_weight_gradients():
-    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "weight_passing", 2)
+    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "full_shard", 2, reduce_every_visit=True)
     assert strings(lowered) == [
         "0UNSHARD", "1UNSHARD", "0F0", "0F1", "0RESHARD", "1F0", "1F1",
         "0UNSHARD", "1I0", "1I1", "1RESHARD",  # input gradients only: nothing to reduce yet
@@ -227,8 +230,7 @@ def test_the_split_removes_the_weight_gradients_from_the_bubble():
     profile = ModelProfile((LayerCost(1.0, 2.0, 1, 0, 0, backward_weight_s=1.0),) * (p * v))
     cluster = Cluster(1, 8, 2**40, 1e30, 1e30, latency_s=0.0)
     simulated = {
-        s: simulate(PlanConfig(s, p, 1, v, m, 1), profile, cluster).step_time
-        for s in ("breadth_first_zb", "breadth_first")
+        s: simulate(Plan(s, p, 1, v, m, 1), profile, cluster).step_time for s in ("breadth_first_zb", "breadth_first")
     }
     assert simulated == {"breadth_first_zb": zero_bubble, "breadth_first": breadth}
 
@@ -270,12 +272,12 @@ def test_costs_split_the_backward_without_changing_whole_backward_schedules():
     # a whole backward takes backward_s whatever the split
     cluster = Cluster(4, 4, 2**40, 1e11, 1e11)
     split = ModelProfile((measured,) * 4)
-    config = PlanConfig("breadth_first", 2, 2, 2, 4, 1)
+    config = Plan("breadth_first", 2, 2, 2, 4, 1)
     assert simulate(config, split, cluster).step_time == simulate(config, ModelProfile((layer,) * 4), cluster).step_time
     # sharded and data-parallel: the zero-bubble schedule runs in the simulator too, and is faster here
     profile = uniform(8, 1e-3, 2e-3, 2**20, 2**10, 2**10)
     times = {
-        s: simulate(PlanConfig(s, 4, 2, 2, 4, 1, "full_shard"), profile, cluster).step_time
+        s: simulate(Plan(s, 4, 2, 2, 4, 1, "full_shard"), profile, cluster).step_time
         for s in ("breadth_first", "breadth_first_zb")
     }
     assert times["breadth_first_zb"] < times["breadth_first"]
@@ -330,7 +332,7 @@ def test_the_planner_frees_a_micro_batchs_activations_at_its_w_not_at_its_i():
     never when its ``I`` does, and some ``W`` comes strictly after its ``I`` (so freeing at the ``I`` would
     show here)."""
     profile = uniform(8, 1.0, 2.0, 1, 1, 100, optimizer_state_ratio=0.0)  # 1 layer per stage: 100 bytes kept
-    prediction = simulate(PlanConfig("breadth_first_zb", 4, 1, 2, 4, 1), profile, Cluster(4, 4, 2**40, 1e12, 1e12))
+    prediction = simulate(Plan("breadth_first_zb", 4, 1, 2, 4, 1), profile, Cluster(4, 4, 2**40, 1e12, 1e12))
     later = 0
     for rank, events in enumerate(prediction.memory_events):
         backward: dict[tuple[int, int], list[float]] = {}
@@ -350,7 +352,7 @@ def test_the_planners_peak_memory_for_the_split_schedule_is_never_below_breadth_
     profile = uniform(8, 1.0, 2.0, 1, 1, 100, optimizer_state_ratio=0.0)
     cluster = Cluster(4, 4, 2**40, 1e12, 1e12, latency_s=0.0)
     for m in (2, 4, 8):
-        looped = PlanConfig("breadth_first", 4, 1, 2, m, 1)
+        looped = Plan("breadth_first", 4, 1, 2, m, 1)
         whole = simulate(looped, profile, cluster).peak_memory
-        split = simulate(PlanConfig("breadth_first_zb", 4, 1, 2, m, 1), profile, cluster).peak_memory
+        split = simulate(Plan("breadth_first_zb", 4, 1, 2, m, 1), profile, cluster).peak_memory
         assert whole >= 2 * m * 100 and split >= whole, (m, split, whole)

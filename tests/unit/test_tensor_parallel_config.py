@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lightning_bfpp.engine.build import check_tensor_parallel
-from lightning_bfpp.plan.config import MeshShape, PipelineConfig
+from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.mesh import MeshShape
 
 
 def test_the_tensor_group_is_innermost_and_the_sizes_count_groups():

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bfpp.plan.config import MeshShape, PipelineConfig
-from lightning_bfpp.plan.schedule import (
-    REDUCE_GRAD,
-    UNSHARD,
-    Kind,
-    format_schedule,
-    generate,
-    lower,
-    max_resident_stages,
-    validate,
-    weight_passing,
-)
+from lightning_bfpp.plan import Plan
+from lightning_bfpp.plan.actions import REDUCE_GRAD, UNSHARD, Kind, format_schedule, max_resident_stages, validate
+from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.mesh import MeshShape
+from lightning_bfpp.plan.schedules import generate
+from lightning_bfpp.plan.schedules.weight_passing import weight_passing
 from lightning_bfpp.plan.topology import NodeTopology
 
 
@@ -46,12 +40,14 @@ def test_weight_passing_order_and_its_transfers():
     assert generate("weight_passing", 1, 3, 2) == schedule
     with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
         generate("weight_passing", 2, 3, 2)
-    lowered = lower(schedule, "weight_passing", 2)[0]
+    plan = Plan("weight_passing", 1, 3, 3, 2)  # three ranks, a chunk each, every rank running this list
+    assert plan.compute == schedule
+    lowered = plan.lowered()[0]
     text = format_schedule({0: lowered})
     actions = lowered
     # a gradient goes back to its owner after every backward, whatever the accumulation
     assert [a for a in actions if a.kind is REDUCE_GRAD] == [
-        a for a in lower(schedule, "weight_passing", 2, reduce_grads=False)[0] if a.kind is REDUCE_GRAD
+        a for a in plan.lowered(reduce_grads=False)[0] if a.kind is REDUCE_GRAD
     ]
     assert sum(a.kind is REDUCE_GRAD for a in actions) == 6, text
     # fetches: every visit, except the last chunk's backward (it stays from its forward) and chunk 0's next
@@ -59,14 +55,14 @@ def test_weight_passing_order_and_its_transfers():
     fetches = [sum(a.kind is UNSHARD and a.stage == c for a in actions) for c in range(3)]
     assert fetches == [1 + 2, 2 * 2, 2], text
     assert max_resident_stages(actions) == 2  # the computing chunk and the one fetched ahead
-    assert max_resident_stages(lower(schedule, "weight_passing", 2, prefetch=0)[0]) == 1
+    assert max_resident_stages(Plan("weight_passing", 1, 3, 3, 2, prefetch_stages=0).lowered()[0]) == 1
     assert all(a.kind is not Kind.UNSHARD or a.stage in range(3) for a in actions)
 
 
 def test_configuration():
     config = PipelineConfig(schedule="weight_passing", processes_per_node=2)
     assert config.resolve_mesh(6, 2) == MeshShape(pipeline_parallel_size=1, data_parallel_size=6)
-    layout = config.resolve_layout(MeshShape(1, 6), [10] * 12)
+    layout = config.resolve_plan(MeshShape(1, 6), [10] * 12)
     assert layout.stages_per_rank == 6 and layout.num_microbatches == 1
     assert layout.stage_layer_counts == (2,) * 6
     for bad in (
@@ -78,8 +74,8 @@ def test_configuration():
         with pytest.raises(ValueError, match="schedule='weight_passing' sets"):
             PipelineConfig(schedule="weight_passing", **bad)
     with pytest.raises(ValueError, match="one chunk per rank"):
-        config.resolve_layout(MeshShape(1, 6), [10] * 4)
+        config.resolve_plan(MeshShape(1, 6), [10] * 4)
     with pytest.raises(ValueError, match="one chunk per rank"):
-        PipelineConfig(schedule="weight_passing", partition=[1, 1]).resolve_layout(MeshShape(1, 4), [1] * 2)
+        PipelineConfig(schedule="weight_passing", partition=[1, 1]).resolve_plan(MeshShape(1, 4), [1] * 2)
     with pytest.raises(ValueError, match="processes_per_node"):
         PipelineConfig(processes_per_node=0)

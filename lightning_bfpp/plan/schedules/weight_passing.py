@@ -1,4 +1,10 @@
-"""Weight passing (TawPipe's topology-aware weight pipeline) as the planner models it. Pure.
+"""Weight passing (WeiPipe, PPoPP 2025; TawPipe, AAAI 2026): the schedule kind, its order and its cost model. Pure.
+
+No pipeline: every rank runs its own micro-batches through the whole model while the layers, cut into one chunk
+per rank and each owned by one rank, travel to it; the engine's ``"weight_passing"`` runner moves them
+(:mod:`lightning_bfpp.engine.weight_passing`). Everything the package knows about weight passing outside the engine
+is here: its order (:func:`weight_passing`), its lowering (fetch a chunk per visit, reduce its gradient to the
+owner after every backward visit), the arguments it fixes, what a search tries, and the model below.
 
 ``P = D·S`` devices, ``D`` nodes of ``S``. The model's pipeline layers are cut into ``P`` chunks, balanced as
 the partitioner balances stages (:func:`~lightning_bfpp.plan.partition.balance_by_weight`); chunk ``c`` is owned
@@ -10,8 +16,8 @@ Every device runs its own ``N`` micro-batches of ``B`` samples through the whole
 a time: forward chunks ``0 … P−2`` keeping only each chunk's input and ``P−1`` keeping its graph, then
 backward ``P−1 … 0``, each but the last chunk recomputing the chunk's forward (``compute`` per visit:
 ``f_c`` forward, ``b_c + f_c`` backward (``b_{P−1}`` for the last chunk), or ``b_c`` where the profile's
-backward already includes the recomputation). The planner's configuration is
-``PlanConfig("weight_passing", pipeline_parallel_size=1, data_parallel_size=P, stages_per_rank=P,
+backward already includes the recomputation). The plan is
+``Plan("weight_passing", pipeline_parallel_size=1, data_parallel_size=P, stages_per_rank=P,
 num_microbatches=N, microbatch_size=B)``, as the strategy lays it out: every device is its own
 data-parallel replica and visits all ``P`` chunks, the stages of its one pipeline rank.
 
@@ -54,13 +60,34 @@ micro-batch in flight, and, during a backward, the chunk's recomputed activation
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from lightning_bfpp.plan.actions import Action, B, F, Schedule, add_sharding_actions
 from lightning_bfpp.plan.cluster import Cluster
-from lightning_bfpp.plan.costs import LayerCost, ModelProfile, stage_costs
-from lightning_bfpp.plan.simulate import PlanConfig, Prediction, balanced_counts
+from lightning_bfpp.plan.costs import LayerCost, ModelProfile, balanced_counts, stage_costs
+from lightning_bfpp.plan.mesh import MeshShape
+from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes
+from lightning_bfpp.plan.simulate import Prediction
 from lightning_bfpp.plan.timeline import Span
+
+if TYPE_CHECKING:
+    from lightning_bfpp.plan.config import PipelineConfig
+    from lightning_bfpp.plan.plan import Plan
+    from lightning_bfpp.plan.search import SearchSpace
+
+
+def weight_passing(num_chunks: int, num_microbatches: int) -> Schedule:
+    """One rank's order, the same on every rank: forward through chunks ``0 … n−1``, then backward through
+    ``n−1 … 0``, one micro-batch at a time. The chunks are the stages of the rank's one-rank "pipeline"
+    (``pipeline_parallel_size=1``), all local."""
+    _, n, m = check_sizes(1, num_chunks, num_microbatches)
+    actions: list[Action] = []
+    for mb in range(m):
+        actions += [Action(c, F, mb) for c in range(n)]
+        actions += [Action(c, B, mb) for c in reversed(range(n))]
+    return {0: actions}
 
 
 def chunk_owner(chunk: int, nodes: int, per_node: int) -> int:
@@ -180,7 +207,7 @@ def memory(chunk_costs: Sequence[LayerCost], topology: Topology, optimizer_state
     return int(owned * (2 + optimizer_state_ratio) + buffers + activations)
 
 
-def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: Cluster) -> Prediction:
+def simulate_weight_passing(config: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
     """Predict one step of weight passing over the whole cluster (``config.data_parallel_size`` devices)."""
     topology = Topology.of(cluster)
     shape = (config.pipeline_parallel_size, config.data_parallel_size, config.stages_per_rank)
@@ -254,3 +281,102 @@ def simulate_weight_passing(config: PlanConfig, profile: ModelProfile, cluster: 
         spans,
         moved,
     )
+
+
+class WeightPassing(ScheduleKind):
+    name = "weight_passing"
+    summary = (
+        "TawPipe: no pipeline; every rank trains on its own micro-batches while the layers, one chunk per rank"
+        " owned by one rank, travel to it along the node topology"
+    )
+    runner = "weight_passing"
+    sharded = False  # the chunks' owners replace sharding; the mesh order changes nothing
+    tensor_parallel = False
+    fallback = None  # any micro-batch count runs
+
+    def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
+        if p != 1:
+            raise ValueError(
+                "schedule='weight_passing' moves weights, not activations: it needs pipeline_parallel_size=1"
+                f" (got {p}); its chunks are the stages of that one rank."
+            )
+        return weight_passing(v, m)
+
+    def lower_rank(self, actions: list[Action], plan: Plan, *, reduce_grads: bool, sharding: str) -> list[Action]:
+        # a chunk's weights are fetched for a visit and freed after it; its gradient goes to its owner after every
+        # backward visit, so a rank holds no gradients of chunks it does not own beyond one visit's
+        return add_sharding_actions(
+            actions, "full_shard", plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=reduce_grads,
+            reduce_every_visit=True,
+        )  # fmt: skip
+
+    def check_config(self, config: PipelineConfig) -> None:
+        fixed = {
+            "pipeline_parallel_size": (config.pipeline_parallel_size, (None, 1)),
+            "stages_per_rank": (config.stages_per_rank, ("auto",)),
+            "data_parallel_size": (config.data_parallel_size, ("auto",)),
+            "sharding": (config.sharding, ("full_shard",)),
+        }
+        for name, (value, allowed) in fixed.items():
+            if value not in allowed:
+                raise ValueError(
+                    f"BFPPStrategy: schedule='weight_passing' sets `{name}` itself (every rank runs the whole model"
+                    " on its own micro-batches, and the layers are cut into one chunk per rank, owned whole by one"
+                    f" rank); got {name}={value!r}. Leave it at its default."
+                )
+        if config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"BFPPStrategy: schedule='weight_passing' with tensor_parallel_size={config.tensor_parallel_size} is"
+                " not supported: its chunks travel whole between ranks, and a tensor-parallel chunk would have to"
+                " travel between matching tensor ranks of two groups. Use schedule='breadth_first' with tensor"
+                " parallelism, or weight passing without it."
+            )
+        super().check_config(config)
+
+    def resolve_mesh(self, config: PipelineConfig, world_size: int) -> MeshShape | None:
+        return MeshShape(pipeline_parallel_size=1, data_parallel_size=world_size, mesh_order=config.mesh_order)
+
+    def stages_per_rank_for(self, config: PipelineConfig, mesh: MeshShape, num_layers: int) -> int:
+        v = mesh.data_parallel_size  # one chunk per rank
+        if isinstance(config.partition, tuple) and len(config.partition) != v:
+            raise ValueError(
+                f"BFPPStrategy: schedule='weight_passing' cuts the layers into one chunk per rank ({v}), but"
+                f" `partition` lists {len(config.partition)}."
+            )
+        return v
+
+    def default_microbatches(self, mesh: MeshShape) -> int:
+        return 1  # every chunk is fetched once per micro-batch: one is the fewest transfers
+
+    def arguments(self, plan: Plan) -> dict[str, Any]:
+        # the chunks follow the world size; only the micro-batches are the planner's to set
+        return {"schedule": self.name, "pipeline_parallel_size": 1, "num_microbatches": plan.num_microbatches}
+
+    def too_few_layers(self, num_layers: int, p: int, v: int) -> str:
+        return (
+            f"BFPPStrategy: schedule='weight_passing' cuts `pipeline_layers()` into one chunk per rank, but the"
+            f" module returns {num_layers} layers for {v} ranks; use fewer processes or more layers."
+        )
+
+    def simulate(self, plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
+        return simulate_weight_passing(plan, profile, cluster)
+
+    def search_fields(self, p: int, dp: int, m: int, space: SearchSpace) -> Iterator[dict[str, Any]]:
+        if p == 1:  # every device a replica visiting one chunk per device, whatever the space's stages per rank
+            for stagger in space.weight_passing_stagger:
+                yield {"stages_per_rank": dp, "stagger": stagger}
+
+    def infeasible(self, plan: Plan, profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> str | None:
+        if cluster.num_devices % cluster.devices_per_node:
+            return (
+                f"weight passing needs whole nodes ({cluster.num_devices} devices, {cluster.devices_per_node} per node)"
+            )
+        if plan.num_stages > profile.num_layers:
+            return f"{plan.num_stages} chunks > {profile.num_layers} layers"
+        return None
+
+    def describe(self, plan: Plan) -> str:
+        return (
+            f"weight_passing{' staggered' if plan.stagger else ''} chunks={plan.data_parallel_size}"
+            f" m={plan.num_microbatches}×{plan.microbatch_size}"
+        )
