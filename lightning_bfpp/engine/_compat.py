@@ -28,6 +28,7 @@ from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, r
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
+from torch.distributed.pipelining._backward import stage_backward_input as _stage_backward_input
 from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
@@ -358,6 +359,29 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def input_gradient_stash_bytes(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor],
+    inputs: Sequence[Any],
+    weights: Sequence[torch.Tensor],
+) -> int:
+    """Bytes that torch's input-gradient pass (``stage_backward_input``, what its runtime runs for a
+    ``BACKWARD_INPUT``) keeps for the weight pass: the gradients of the intermediate outputs that feed the weights
+    (its ``param_groups[...]["grads"]``), each storage once. The pass detaches ``outputs``; call it on a forward of
+    its own."""
+    # torch detaches the outputs in place at the end, which a view refuses: a copy of each changes no intermediate
+    outputs = [t.clone() for t in outputs]
+    _, groups = _stage_backward_input(outputs, list(output_grads), list(inputs), iter(weights))
+    storages: dict[int, int] = {}
+    for group in groups:
+        for grads in group.get("grads") or ():
+            for grad in grads or ():
+                if isinstance(grad, torch.Tensor):
+                    storage = grad.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def default_store() -> Any:
     """The default process group's key-value store (the failure watchdog's channel, see failures.py)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -396,6 +420,7 @@ __all__ = [
     "fsdp_post_backward",
     "hooked_runtime",
     "init_weights_as_model",
+    "input_gradient_stash_bytes",
     "instance_attributes",
     "parameter_slots",
     "parameters_replaced",

@@ -6,8 +6,11 @@ and records its median forward and backward time, its parameter bytes, the bytes
 autograd keeps for its backward (counted once per storage, parameters excluded). The backward is timed twice:
 its input-gradient pass alone (``torch.autograd.grad`` with respect to the layer's inputs, as torch's
 ``stage_backward_input`` runs it) and then whole; the difference is the weight-gradient part that zero-bubble
-schedules run as their own ``W`` action (``LayerCost.backward_weight_s``). A layer whose inputs need no
-gradient (the first, on token ids) has only a weight pass. The whole model runs on
+schedules run as their own ``W`` action (``LayerCost.backward_weight_s``). Once more, untimed, the layer runs
+torch's own ``stage_backward_input``, and the gradients it keeps for the weight pass (the intermediate outputs'
+that feed the weights) are counted: what a split backward holds from each ``I`` to its ``W`` beside the saved
+activations (``LayerCost.intermediate_grad_bytes``). A layer whose inputs need no gradient (the first, on token
+ids) has only a weight pass. The whole model runs on
 one device, layer by layer, so it must fit there; for models that do not, describe the layers instead
 (``lightning_bfpp.plan.costs``).
 
@@ -35,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.adapter.user_step import capture_model_input
-from lightning_bfpp.engine._compat import CollectiveCounter, tree_flatten
+from lightning_bfpp.engine._compat import CollectiveCounter, input_gradient_stash_bytes, tree_flatten
 from lightning_bfpp.engine.layers import pipeline_layers
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile
 
@@ -65,6 +68,17 @@ def _collective_s(mesh: DeviceMesh, like: list[torch.Tensor], repeats: int) -> f
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _stash_bytes(layer: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> int:
+    """What torch's input-gradient pass keeps of ``layer`` for its weight pass, on a forward of its own."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+    output = layer(*leaves, **kwargs) if first else layer(leaves[0] if len(leaves) == 1 else tuple(leaves))
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    if not outs:
+        return 0
+    weights = [p for p in layer.parameters() if p.requires_grad]
+    return input_gradient_stash_bytes(outs, [torch.ones_like(t) for t in outs], leaves, weights)
 
 
 def profile_module(
@@ -149,6 +163,7 @@ def profile_module(
                 input_grad_times.append(input_done - middle)
                 backward_times.append(end - input_done)
                 saved_bytes = sum(storages.values())
+        stash = _stash_bytes(layer, inputs, kwargs, first) if split_backward and not first else 0
         layer.zero_grad(set_to_none=True)
         forward_s, backward_s = statistics.median(forward_times), statistics.median(backward_times)
         input_grad_s = statistics.median(input_grad_times)
@@ -169,6 +184,7 @@ def profile_module(
                 output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
                 saved_bytes=saved_bytes,
                 backward_weight_s=max(backward_s - input_grad_s, 0.0) if split_backward else None,
+                intermediate_grad_bytes=stash,
                 **split,
             )
         )

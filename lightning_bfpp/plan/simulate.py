@@ -11,6 +11,9 @@ rank by rank, on the ranks the kind's placement gives each stage, with this mode
   input gradient to compute, spends its whole backward in ``W``, as torch's runtime does), and the
   micro-batch's activations are held until its ``W``, with what the ``I`` keeps for the ``W`` beside them from
   the ``I`` on (``LayerCost.intermediate_grad_bytes``: the output gradients of the layers' weighted operations);
+  a stage's output is held from its forward to its ``B`` or ``I`` beside what autograd saves (torch's stage keeps
+  it for the backward; the last stage's is the loss), and the computing layer's transient (its temporaries, its
+  backward's activation gradients) adds the rank's largest layer's activations for one micro-batch to its peak;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
@@ -118,7 +121,14 @@ def simulate_pipeline(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Pr
     counts = plan.stage_layer_counts or balanced_counts([layer.param_bytes for layer in layers], p * v)
     stages = stage_costs(layers, counts)
     net = links(cluster, p, plan.data_parallel_size, plan.mesh_order)
-    return _run(plan, plan.lowered(), stages, profile, cluster, net)
+    # the computing layer's transient (its forward's temporaries, its backward's activation gradients): at most one
+    # layer's activations for one micro-batch, the rank's largest
+    starts = [sum(counts[:s]) for s in range(p * v + 1)]
+    workspace = [
+        max(layer.full_activation_bytes for s in plan.stages_of(rank) for layer in layers[starts[s] : starts[s + 1]])
+        for rank in range(p)
+    ]
+    return _run(plan, plan.lowered(), stages, profile, cluster, net, workspace)
 
 
 def _run(
@@ -128,6 +138,7 @@ def _run(
     profile: ModelProfile,
     cluster: Cluster,
     net: Links,
+    workspace: list[int],
 ) -> Prediction:
     p, dp, m = config.pipeline_parallel_size, config.data_parallel_size, config.num_microbatches
     num_stages = len(stages)
@@ -210,7 +221,8 @@ def _run(
                     end = start + cost.forward_s + overhead
                     spans.append(Span(rank, "forward", start, end, a.stage, a.microbatch))
                     r.host = fwd_done[key] = end
-                    r.hold(end, cost.saved_bytes)
+                    # what autograd saves, and (but on the last stage) the output torch's stage keeps until the backward
+                    r.hold(end, cost.saved_bytes + (cost.output_bytes if a.stage + 1 < num_stages else 0))
                     if a.stage + 1 < num_stages:
                         send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
                     else:
@@ -228,12 +240,13 @@ def _run(
                     end = start + (cost.backward_s if a.kind is B else split) + overhead
                     spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
                     r.host = end
+                    kept_output = cost.output_bytes if a.stage + 1 < num_stages else 0  # released by B and I
                     if a.kind is B:
-                        r.hold(end, -cost.saved_bytes)
+                        r.hold(end, -cost.saved_bytes - kept_output)
                     else:
                         input_grad_done.add(key)  # the activations stay for the W, and what the I keeps for it
-                        if a.stage > 0:  # stage 0's I computes nothing: its W is the whole backward
-                            r.hold(end, cost.intermediate_grad_bytes)
+                        kept = cost.intermediate_grad_bytes if a.stage > 0 else 0  # stage 0's W is its whole backward
+                        r.hold(end, kept - kept_output)
                     if a.stage > 0:
                         send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
                 elif a.kind is W:
@@ -281,11 +294,12 @@ def _run(
     peaks = []
     for rank, r in enumerate(ranks):
         static = held[rank] * (2 + profile.optimizer_state_ratio)  # weights, gradients, optimizer state
-        peaks.append(int(static + _peak(r.memory)))
+        peaks.append(int(static + _peak(r.memory) + workspace[rank]))
     bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
     return Prediction(
         config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans,
-        memory_events=[sorted(r.memory) for r in ranks], activation_peaks=[_peak(r.activations) for r in ranks],
+        memory_events=[sorted(r.memory) for r in ranks],
+        activation_peaks=[_peak(r.activations) + workspace[rank] for rank, r in enumerate(ranks)],
     )  # fmt: skip
 
 

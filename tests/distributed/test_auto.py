@@ -1,8 +1,11 @@
-"""``pipeline_parallel_size="auto"``: the planner measures the module and picks one layout for all ranks."""
+"""``pipeline_parallel_size="auto"`` and ``schedule="auto"``: the planner measures the module (or reads the profile
+it is given) and picks one layout for all ranks, within ``memory_budget`` where one is given."""
 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -38,9 +41,45 @@ TENSOR = RunSpec(name="auto_tp", strategy={"pipeline_parallel_size": "auto", "te
                  trainer={"max_steps": 4}, checks=["planner_ranking"])  # fmt: skip
 
 
+# the schedule chosen too, at a fixed pipeline size: among every kind the other arguments allow
+SCHEDULE = RunSpec(name="auto_schedule", strategy={"pipeline_parallel_size": 2, "schedule": "auto"},
+                   model={"optimizer": "sgd"}, local_batch_size=8, trainer={"max_steps": 4},
+                   checks=["planner_ranking"])  # fmt: skip
+
+
+def _budget_case() -> tuple[Path, Path, int, dict]:
+    """A profile and a machine given to the planner (so that its ranking is known here), the fastest layout's
+    predicted peak less one byte as the budget, and the layout that then is the fastest that fits."""
+    from lightning_bfpp.adapter import auto
+    from lightning_bfpp.plan import Cluster, LayerCost, ModelProfile
+    from lightning_bfpp.plan.config import PipelineConfig
+
+    # 10 layers like PipeNet's (embed, 8 blocks, head), with activations large beside the weights: layouts that
+    # hold every micro-batch's activations (breadth-first's sweeps) need more memory than those that do not
+    layer = LayerCost(1e-3, 2e-3, 4096, 2**14, 2**20, backward_weight_s=1e-3, intermediate_grad_bytes=2**18)
+    profile = ModelProfile(tuple([layer] * 10), microbatch_size=8)
+    cluster = Cluster(4, 4, 2**40, 1e9, 1e9, action_overhead_s=1e-4)
+    folder = Path(tempfile.mkdtemp(prefix="bfpp-auto-budget-"))
+    profile.to_json(folder / "profile.json")
+    cluster.to_json(folder / "cluster.json")
+    config = PipelineConfig(pipeline_parallel_size=2, schedule="auto")
+    space = auto.search_space(config, (2,))
+    ranked = [c for c in auto.search_per_replica_batch(profile, cluster, 8, space) if c.infeasible is None]
+    budget = ranked[0].prediction.peak_memory - 1
+    fits = next(c for c in ranked if c.prediction.peak_memory <= budget)
+    return folder / "profile.json", folder / "cluster.json", budget, dataclasses.asdict(fits.config)
+
+
+PROFILE_FILE, CLUSTER_FILE, BUDGET, FITS = _budget_case()
+BUDGETED = RunSpec(name="auto_budget", strategy={"pipeline_parallel_size": 2, "schedule": "auto",
+                   "plan_profile": str(PROFILE_FILE), "cluster": str(CLUSTER_FILE), "memory_budget": BUDGET},
+                   model={"optimizer": "sgd"}, local_batch_size=8, trainer={"max_steps": 4},
+                   checks=["planner_ranking"])  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch([PLAIN, TENSOR], 4, tmp_path_factory.mktemp("auto"), timeout=500)
+    return launch([PLAIN, TENSOR, SCHEDULE, BUDGETED], 4, tmp_path_factory.mktemp("auto"), timeout=500)
 
 
 def _ran_the_first_ranked(result) -> dict:
@@ -95,4 +134,31 @@ def test_with_tensor_parallelism_it_measures_the_layers_split_and_trains_as_one_
     assert {layer["measured_split"] for layer in profile} == {2}
     assert_trained_as_on_one_device(
         result, dataclasses.replace(TENSOR, data_parallel_size=best["data_parallel_size"]), tol=1e-5
+    )
+
+
+def test_with_schedule_auto_it_chooses_among_the_schedules_and_trains_as_one_device(results):
+    result = results["auto_schedule"]
+    best = _ran_the_first_ranked(result)
+    ranked = result.ranks[0]["planner_ranking"]["ranked"]
+    # every kind that takes two ranks' pipelines was a candidate (weight passing needs one pipeline rank)
+    assert {c["schedule"] for c in ranked} == {
+        "breadth_first", "breadth_first_zb", "depth_first", "gpipe", "1f1b", "interleaved_zb", "zbv",
+    }  # fmt: skip
+    assert {c["pipeline_parallel_size"] for c in ranked} == {2}
+    assert_trained_as_on_one_device(
+        result, dataclasses.replace(SCHEDULE, data_parallel_size=best["data_parallel_size"]), tol=1e-5
+    )
+
+
+def test_with_a_memory_budget_it_runs_the_fastest_layout_that_fits(results):
+    """The budget is the fastest layout's predicted peak less a byte: the planner leaves it out and the strategy
+    runs the fastest one whose predicted peak fits, equal to one device."""
+    result = results["auto_budget"]
+    best = _ran_the_first_ranked(result)
+    for key in DECIDED:
+        if key != "stage_layer_counts":  # the planner balanced the stages; the run names its counts
+            assert best[key] == FITS[key], (key, best[key], FITS[key])
+    assert_trained_as_on_one_device(
+        result, dataclasses.replace(BUDGETED, data_parallel_size=best["data_parallel_size"]), tol=1e-5
     )

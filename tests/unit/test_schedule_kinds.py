@@ -6,8 +6,11 @@ from __future__ import annotations
 import itertools
 import types
 
+import lightning as L
 import pytest
+import torch
 import torch.distributed.pipelining.schedules as torch_schedules
+from torch import nn
 from torch.distributed.pipelining.schedules import _Action as TorchAction
 from torch.distributed.pipelining.schedules import _validate_schedule
 
@@ -209,3 +212,86 @@ def test_every_kind_refuses_what_it_cannot_run_and_lays_out_what_it_can(name):
             continue
         validate(schedule, p, v, m, placement=kind.placement)
         assert all(a.kind in (F, B, I, W) for acts in schedule.values() for a in acts)
+
+
+# --------------------------------------------------------------------------------------------------
+# memory in the plan
+
+
+class _MLP(L.LightningModule):
+    """Three pipeline layers: a projection, then two of Linear(16, 64) → GELU → Linear(64, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).pow(2).mean()
+
+
+def test_the_profile_counts_what_the_input_gradient_pass_keeps_for_the_weight_pass():
+    """torch's ``stage_backward_input`` keeps the gradients of the outputs of a block's two linear layers for its
+    weight pass: (rows·64 + rows·16) fp32 values. The first layer has no input-gradient pass; without the split
+    nothing is measured."""
+    from lightning_bfpp.measure.profile import profile_module
+
+    rows = 8
+    split = profile_module(_MLP(), torch.randn(rows, 4), repeats=1)
+    kept = (rows * 64 + rows * 16) * 4
+    assert [layer.intermediate_grad_bytes for layer in split.layers] == [0, kept, kept]
+    plain = profile_module(_MLP(), torch.randn(rows, 4), repeats=1, split_backward=False)
+    assert all(layer.intermediate_grad_bytes == 0 for layer in plain.layers)
+    # it scales with the micro-batch, as activations do
+    assert split.at_microbatch_size(2 * rows)[1].intermediate_grad_bytes == 2 * split.layers[1].intermediate_grad_bytes
+
+
+@pytest.mark.parametrize("name", ["breadth_first_zb", "interleaved_zb", "zbv"])
+def test_what_an_input_gradient_keeps_is_held_from_its_end_to_its_weight_passs_end(name):
+    """Each (stage > 0, micro-batch)'s kept gradients (here 1000 bytes) are taken when its ``I`` ends and given back
+    when its ``W`` ends; the peak of a split schedule counts them, that of the same order with whole backwards does
+    not (here: every split kind holds more at its peak than with the kept bytes left out)."""
+    layer = LayerCost(1.0, 2.0, 8, 10, 100, backward_weight_s=1.0, intermediate_grad_bytes=1000)
+    profile = ModelProfile(tuple([layer] * 8), optimizer_state_ratio=0.0)
+    free = Cluster(4, 4, 2**40, 1e15, 1e15, latency_s=0.0)
+    prediction = simulate(Plan(name, 4, 1, 2, 4), profile, free)
+    ends: dict[tuple[int, int], list[float]] = {}
+    for span in prediction.spans:
+        if span.kind == "backward":
+            ends.setdefault((span.stage, span.microbatch), []).append(span.end)
+    for rank, events in enumerate(prediction.memory_events):
+        stages = [s for s in Plan(name, 4, 1, 2, 4).stages_of(rank) if s > 0]
+        # the I's end: kept bytes in, the stage's output out (the last stage's is its loss, not counted)
+        taken = sorted(t for t, delta in events if delta in (1000 - 10, 1000))
+        given = sorted(t for t, delta in events if delta == -1000 - 100)  # the W's end: kept bytes and activations
+        assert taken == sorted(ends[(s, mb)][0] for s in stages for mb in range(4))
+        assert given == sorted(ends[(s, mb)][-1] for s in stages for mb in range(4))
+    without = ModelProfile(
+        tuple([LayerCost(1.0, 2.0, 8, 10, 100, backward_weight_s=1.0)] * 8), optimizer_state_ratio=0.0
+    )
+    assert max(prediction.activation_peaks) > max(simulate(Plan(name, 4, 1, 2, 4), without, free).activation_peaks)
+
+
+def test_with_a_memory_budget_the_search_ranks_first_the_fastest_plan_that_fits():
+    layer = LayerCost(1e-3, 2e-3, 4096, 2**14, 2**20, backward_weight_s=1e-3, intermediate_grad_bytes=2**18)
+    profile = ModelProfile(tuple([layer] * 10), microbatch_size=8)
+    roomy = Cluster(4, 4, 2**40, 1e9, 1e9)
+    space = SearchSpace(pipeline_sizes=(2,), schedules=("breadth_first", "breadth_first_zb", "1f1b", "zbv"))
+    ranked = [c for c in search(profile, roomy, 16, space) if c.infeasible is None]
+    fastest = ranked[0]
+    budget = fastest.prediction.peak_memory - 1
+    tight = search(profile, Cluster(4, 4, budget, 1e9, 1e9), 16, space)
+    chosen = tight[0]
+    assert chosen.infeasible is None and chosen.prediction.peak_memory <= budget
+    assert chosen.config != fastest.config
+    assert chosen.config == next(c.config for c in ranked if c.prediction.peak_memory <= budget)
+    over = next(c for c in tight if c.config == fastest.config)
+    assert over.infeasible is not None and over.infeasible.startswith("memory:")
