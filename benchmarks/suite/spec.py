@@ -117,6 +117,9 @@ class Job:
     # a folder: the bfpp kind writes its steps' timelines there (BFPPStrategy(trace=...)); the bfpp_hand and torch
     # kinds return their timed steps' spans in their records instead
     trace: str = ""
+    # the bfpp kind with schedule="auto": the planner chooses the schedule (and with v=0 the stages per rank) at the
+    # job's p and m, on this machine description (a Cluster JSON, e.g. from `plan calibrate`; "": assumed links)
+    cluster: str = ""
 
     @property
     def global_rows(self) -> int:
@@ -128,7 +131,15 @@ class Job:
         return self.dp * self.m * self.microbatch_size
 
     @property
+    def planned(self) -> bool:
+        """Whether the planner chooses the schedule (``schedule="auto"``)."""
+        return self.kind == "bfpp" and self.schedule == "auto"
+
+    @property
     def layout(self) -> str:
+        if self.planned:
+            v = "auto" if not self.v else self.v
+            return f"p={self.p} v={v} m={self.m} dp={self.dp}" + (f" {self.sharding}" if self.dp > 1 else "")
         if self.kind == "fsdp":
             return f"dp={self.processes} (FSDP2, no pipeline)"
         if self.kind == "independent":
@@ -180,7 +191,7 @@ def bound_s(job: Job) -> float | None:
     against ``breadth_first_zb``'s 30 and ``breadth_first``'s 33). Data parallelism alone has no bubble: a rank's
     own samples through every layer.
     """
-    if job.model != "emulated" or job.kind in ("independent", "stage_compute", "collectives"):
+    if job.model != "emulated" or job.kind in ("independent", "stage_compute", "collectives") or job.planned:
         return None
     if job.kind == "torch" and job.schedule in TORCH_ZERO_BUBBLE:
         return None

@@ -121,13 +121,22 @@ def _trainer(job: Job, strategy: Any, clock: StepClock) -> L.Trainer:
 def _bfpp_lightning(job: Job, rank: int) -> dict[str, Any]:
     clock = StepClock(job.warmup)
     strategy = BFPPStrategy(
-        pipeline_parallel_size=job.p, stages_per_rank=job.v, num_microbatches=job.m, schedule=job.schedule,
+        pipeline_parallel_size=job.p, stages_per_rank=job.v or "auto", num_microbatches=job.m, schedule=job.schedule,
         sharding=job.sharding, overlap_reductions=job.overlap_reductions, prefetch_stages=job.prefetch_stages,
-        trace=job.trace or None, trace_steps=job.warmup + job.steps,
+        trace=job.trace or None, trace_steps=job.warmup + job.steps, cluster=job.cluster or None,
     )  # fmt: skip
     trainer = _trainer(job, strategy, clock)
     trainer.fit(lightning_module(job), train_loader(job, job.m * job.microbatch_size, job.dp))
-    return clock.result()
+    record = clock.result()
+    if job.planned:  # what the planner chose, and the step it predicted for it
+        assert strategy.plan is not None and strategy.planned is not None and strategy.planned.prediction
+        record["plan"] = {
+            "schedule": strategy.plan.schedule,
+            "v": strategy.plan.stages_per_rank,
+            "describe": strategy.plan.describe(),
+            "predicted_s": strategy.planned.prediction.step_time,
+        }
+    return record
 
 
 def _fsdp_lightning(job: Job, rank: int) -> dict[str, Any]:

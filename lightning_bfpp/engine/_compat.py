@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
 from torch.distributed.pipelining._backward import stage_backward_input as _stage_backward_input
+from torch.distributed.pipelining._backward import stage_backward_weight as _stage_backward_weight
 from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
 from torch.distributed.pipelining.schedules import (
     _Action as TorchAction,
@@ -359,19 +360,29 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def input_gradient_stash_bytes(
+def backward_input(
     outputs: Sequence[torch.Tensor],
     output_grads: Sequence[torch.Tensor],
     inputs: Sequence[Any],
     weights: Sequence[torch.Tensor],
-) -> int:
-    """Bytes that torch's input-gradient pass (``stage_backward_input``, what its runtime runs for a
-    ``BACKWARD_INPUT``) keeps for the weight pass: the gradients of the intermediate outputs that feed the weights
-    (its ``param_groups[...]["grads"]``), each storage once. The pass detaches ``outputs``; call it on a forward of
-    its own."""
-    # torch detaches the outputs in place at the end, which a view refuses: a copy of each changes no intermediate
-    outputs = [t.clone() for t in outputs]
-    _, groups = _stage_backward_input(outputs, list(output_grads), list(inputs), iter(weights))
+) -> list[dict[str, Any]]:
+    """torch's input-gradient pass, as its runtime runs a ``BACKWARD_INPUT`` (``stage_backward_input``): the inputs'
+    gradients land in their ``.grad``; returns what the weight pass needs (its ``param_groups``). It detaches
+    ``outputs`` in place at the end, which a view refuses: pass tensors that are not views (a copy changes none of
+    the intermediates it keeps)."""
+    _, groups = _stage_backward_input(list(outputs), list(output_grads), list(inputs), iter(weights))
+    return groups
+
+
+def backward_weight(weights: Sequence[torch.Tensor], groups: list[dict[str, Any]]) -> None:
+    """torch's weight-gradient pass of a ``BACKWARD_WEIGHT`` (``stage_backward_weight``) over :func:`backward_input`'s
+    groups: the weights' gradients land in their ``.grad``."""
+    _stage_backward_weight(iter(weights), groups)
+
+
+def kept_for_weight_pass(groups: list[dict[str, Any]]) -> int:
+    """Bytes :func:`backward_input` keeps for the weight pass: the gradients of the intermediate outputs that feed
+    the weights (``param_groups[...]["grads"]``), each storage once."""
     storages: dict[int, int] = {}
     for group in groups:
         for grads in group.get("grads") or ():
@@ -412,6 +423,8 @@ __all__ = [
     "TorchKind",
     "add_send_recv",
     "attn_implementation",
+    "backward_input",
+    "backward_weight",
     "buffer_slots",
     "check_torch_version",
     "default_store",
@@ -420,8 +433,8 @@ __all__ = [
     "fsdp_post_backward",
     "hooked_runtime",
     "init_weights_as_model",
-    "input_gradient_stash_bytes",
     "instance_attributes",
+    "kept_for_weight_pass",
     "parameter_slots",
     "parameters_replaced",
     "read_whole_dcp",

@@ -103,6 +103,19 @@ class StepResult:
 
 
 @dataclass
+class _PreparedBatch:
+    """A step's batch, split and (on the first stage) captured, before its schedule runs."""
+
+    num_microbatches: int = 0
+    microbatches: list[Any] = field(default_factory=list)
+    signature: Any = None
+    content: torch.Tensor | None = None
+    seeds: list[int] = field(default_factory=list)
+    inputs: tuple[list[Any], list[Any]] | None = None
+    failure: StepFailure = field(default_factory=StepFailure)
+
+
+@dataclass
 class _ActiveStep:
     step_name: str
     microbatches: list[Any]
@@ -242,70 +255,115 @@ class Pipeline:
         their own longest sequence): each pipeline builds a schedule per shape, without the other replicas.
         """
         self._prefetch_first_stage()
-        failure = StepFailure()
-        num_microbatches, microbatches, signature = 0, [], None
-        seeds: list[int] = []
-        inputs: tuple[list[Any], list[Any]] | None = None
-        content = None
+        prepared = self._prepare(step_name, batch, step_args, step_key, last_batch)
+        key = (train, prepared.num_microbatches, prepared.signature, reduce_grads or not train)
+        runner = self._runner_agreed(step_name, key, prepared)
+        inputs = self._inputs_for(runner, prepared)
+        result = self._new_result(step_name, prepared)
+        if train and set_aside_grads:
+            self.batch_gradients.set_aside()
+        self._active = _ActiveStep(
+            step_name, prepared.microbatches, step_args, train, loss_scale / max(prepared.num_microbatches, 1),
+            result, prepared.seeds, loss_scale,
+        )  # fmt: skip
+        self._execute(runner, step_name, inputs, prepared.num_microbatches, train=train, tracer=tracer)
+        if train and reduce_grads and self.tied:
+            # the tied copies' gradients are complete (reduced over replicas) only now: sum them over the tie,
+            # once per optimizer step (an accumulation window's last batch), before clipping and the step
+            self.tied.sum_gradients()
+        if train and self.holds_last_stage:
+            self._check_one_kind_of_loss(step_name, result)
+        return result
+
+    def _prepare(
+        self, step_name: str, batch: Any, step_args: tuple[Any, ...], step_key: Sequence[int], last_batch: bool
+    ) -> _PreparedBatch:
+        """Split the batch, seed its micro-batches and, on the first stage, capture the pipeline's input from the
+        user's step; a failure is recorded, to be raised on every rank where they meet (see :meth:`run`)."""
+        prepared = _PreparedBatch()
         try:
-            num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
-            microbatches = split_microbatches(batch, num_microbatches)
-            signature = batch_signature(batch)
-            content = batch_digest(batch)
-            seeds = [
-                derive_seed(self.base_seed, (*step_key, self.data_parallel_rank, i)) for i in range(num_microbatches)
+            prepared.num_microbatches = self.microbatches_for(batch, last_batch=last_batch, step_name=step_name)
+            prepared.microbatches = split_microbatches(batch, prepared.num_microbatches)
+            prepared.signature = batch_signature(batch)
+            prepared.content = batch_digest(batch)
+            prepared.seeds = [
+                derive_seed(self.base_seed, (*step_key, self.data_parallel_rank, i))
+                for i in range(prepared.num_microbatches)
             ]
             if self.holds_first_stage:
                 captured = []
-                for i, mb in enumerate(microbatches):
-                    with self.user_code(seeds[i]):
+                for i, mb in enumerate(prepared.microbatches):
+                    with self.user_code(prepared.seeds[i]):
                         captured.append(self.step_code.capture(step_name, mb, step_args))
-                inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
+                prepared.inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
         except Exception as error:
-            failure.record(error, self.rank_label)
-        key = (train, num_microbatches, signature, reduce_grads or not train)
+            prepared.failure.record(error, self.rank_label)
+        return prepared
+
+    def _runner_agreed(self, step_name: str, key: tuple[bool, int, Any, bool], prepared: _PreparedBatch) -> StepRunner:
+        """The runner for this step's kind and shape; a new one only after the ranks agreed (see
+        :meth:`_agree_before_schedule`)."""
         cached = self._schedules.get(key)
-        if cached is None or (failure.error is not None and self.holds_first_stage and cached.last_inputs is None):
+        failed_first = prepared.failure.error is not None and self.holds_first_stage
+        if cached is None or (failed_first and cached.last_inputs is None):
             # a schedule not built yet (first step, new batch shape): every rank checks before building one
-            kind = (train, reduce_grads or not train)
+            train, _, _, reduces = key
+            kind = (train, reduces)
             self._agree_before_schedule(
-                step_name, signature, num_microbatches, failure, everywhere=kind not in self._built_kinds
-            )
+                step_name, prepared.signature, prepared.num_microbatches, prepared.failure,
+                everywhere=kind not in self._built_kinds,
+            )  # fmt: skip
             self._built_kinds.add(kind)
-        schedule = self._schedule_for(key)
-        if self.holds_first_stage:
-            if failure.error is None:
-                schedule.last_inputs = inputs
-            else:
-                # The capture failed here, but the other ranks are already in the schedule (checking first would
-                # cost a collective every step): run it on the inputs it last ran on, then raise the capture's
-                # error on every rank after it, before any optimizer step.
-                inputs = schedule.last_inputs
+        return self._schedule_for(key)
+
+    def _inputs_for(self, runner: StepRunner, prepared: _PreparedBatch) -> tuple[list[Any], list[Any]] | None:
+        """The first stage's inputs for this step: the captured ones; after a failed capture, those the runner last
+        ran on. The capture failed here, but the other ranks are already in the schedule (checking first would cost
+        a collective every step): it runs on old inputs, and the capture's error is raised on every rank after it,
+        before any optimizer step."""
+        if not self.holds_first_stage:
+            return None
+        if prepared.failure.error is None:
+            runner.last_inputs = prepared.inputs
+            return prepared.inputs
+        return runner.last_inputs
+
+    def _new_result(self, step_name: str, prepared: _PreparedBatch) -> StepResult:
+        signature, num_microbatches = prepared.signature, prepared.num_microbatches
         result = StepResult(
             num_microbatches=num_microbatches,
             step_name=step_name,
-            failure=failure,
+            failure=prepared.failure,
             recorder=self.step_code.new_recorder(),
-        )
-        result.batch_digest = zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF
-        result.content_digest = content
-        result.batch_description = (
-            f"{self.rank_label} got {signature[1] if signature is not None else None} in {num_microbatches}"
+            batch_digest=zlib.crc32(repr((signature, num_microbatches)).encode()) & 0x7FFFFFFF,
+            batch_description=(
+                f"{self.rank_label} got {signature[1] if signature is not None else None} in {num_microbatches}"
+            ),
+            content_digest=prepared.content,
         )
         if self.holds_last_stage:
             result.losses = [torch.zeros(())] * num_microbatches
             result.outputs = [None] * num_microbatches
             result.item_counts = [None] * num_microbatches
-        scale = loss_scale / num_microbatches
-        if train and set_aside_grads:
-            self.batch_gradients.set_aside()
-        self._active = _ActiveStep(step_name, microbatches, step_args, train, scale, result, seeds, loss_scale)
-        self._schedule_in_use = schedule
+        return result
+
+    def _execute(
+        self,
+        runner: StepRunner,
+        step_name: str,
+        inputs: tuple[list[Any], list[Any]] | None,
+        num_microbatches: int,
+        *,
+        train: bool,
+        tracer: StepTracer | None,
+    ) -> None:
+        """Run the step's actions (the last stage calls :meth:`_loss_fn`), then wait for its gradient traffic."""
+        self._schedule_in_use = runner
         targets = [torch.tensor(i) for i in range(num_microbatches)]
         arg_mbs, kwarg_mbs = inputs if inputs is not None else (None, None)
         try:
-            with tracer.recording(schedule) if tracer is not None else nullcontext():
-                schedule.run(arg_mbs, kwarg_mbs, targets)
+            with tracer.recording(runner) if tracer is not None else nullcontext():
+                runner.run(arg_mbs, kwarg_mbs, targets)
         except PipeliningMetadataError as error:
             raise RuntimeError(shape_varies_message(error, step_name)) from error
         finally:
@@ -316,21 +374,18 @@ class Pipeline:
                 self.executor.finish()
                 if tracer is not None:  # what of the overlapped reductions was still left to wait for
                     tracer.add("reduce", start, tracer.now())
-        if train and reduce_grads and self.tied:
-            # the tied copies' gradients are complete (reduced over replicas) only now: sum them over the tie,
-            # once per optimizer step (an accumulation window's last batch), before clipping and the step
-            self.tied.sum_gradients()
-        if train and self.holds_last_stage and failure.error is None:
-            normalized = {count is not None for count in result.item_counts}
-            if len(normalized) > 1:
-                failure.record(
-                    RuntimeError(
-                        f"BFPPStrategy: `{step_name}` returned `mean_over_items(...)` for some micro-batches and a"
-                        " plain loss for others. Return the same kind of loss for every batch."
-                    ),
-                    self.rank_label,
-                )
-        return result
+
+    def _check_one_kind_of_loss(self, step_name: str, result: StepResult) -> None:
+        if result.failure.error is not None:
+            return
+        if len({count is not None for count in result.item_counts}) > 1:
+            result.failure.record(
+                RuntimeError(
+                    f"BFPPStrategy: `{step_name}` returned `mean_over_items(...)` for some micro-batches and a"
+                    " plain loss for others. Return the same kind of loss for every batch."
+                ),
+                self.rank_label,
+            )
 
     def reduces_each_batch(self, *, window_start: bool) -> bool:
         """Whether this training batch reduces its gradients on its own, apart from what the accumulation window

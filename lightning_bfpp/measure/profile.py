@@ -3,13 +3,13 @@
 Each layer of ``pipeline_layers()`` runs forward and backward on the output of the previous one, starting
 from what ``training_step`` passes to ``self(...)`` for one real batch (the same capture the strategy uses),
 and records its median forward and backward time, its parameter bytes, the bytes it hands on, and the bytes
-autograd keeps for its backward (counted once per storage, parameters excluded). The backward is timed twice:
-its input-gradient pass alone (``torch.autograd.grad`` with respect to the layer's inputs, as torch's
-``stage_backward_input`` runs it) and then whole; the difference is the weight-gradient part that zero-bubble
-schedules run as their own ``W`` action (``LayerCost.backward_weight_s``). Once more, untimed, the layer runs
-torch's own ``stage_backward_input``, and the gradients it keeps for the weight pass (the intermediate outputs'
-that feed the weights) are counted: what a split backward holds from each ``I`` to its ``W`` beside the saved
-activations (``LayerCost.intermediate_grad_bytes``). A layer whose inputs need no gradient (the first, on token
+autograd keeps for its backward (counted once per storage, parameters excluded). With ``split_backward`` (for the
+zero-bubble schedules) the layer also runs a forward and torch's own split backward, as its runtime runs a
+``BACKWARD_INPUT`` and a ``BACKWARD_WEIGHT`` (``stage_backward_input``, then ``stage_backward_weight``): each pass is
+timed (``LayerCost.backward_input_s``, ``backward_weight_s``), and the gradients the first keeps for the second
+are counted (``intermediate_grad_bytes``: what a split backward holds from each ``I`` to its ``W`` beside the
+saved activations). The two passes need not add up to the whole backward: a layer whose backward is one autograd
+node runs that node in both. A layer whose inputs need no gradient (the first, on token
 ids) has only a weight pass. The whole model runs on
 one device, layer by layer, so it must fit there; for models that do not, describe the layers instead
 (``lightning_bfpp.plan.costs``).
@@ -38,7 +38,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.adapter.user_step import capture_model_input
-from lightning_bfpp.engine._compat import CollectiveCounter, input_gradient_stash_bytes, tree_flatten
+from lightning_bfpp.engine._compat import (
+    CollectiveCounter,
+    backward_input,
+    backward_weight,
+    kept_for_weight_pass,
+    tree_flatten,
+)
 from lightning_bfpp.engine.layers import pipeline_layers
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile
 
@@ -65,20 +71,35 @@ def _collective_s(mesh: DeviceMesh, like: list[torch.Tensor], repeats: int) -> f
     return statistics.median(times)
 
 
+def _fresh(leaves: list[Any]) -> list[Any]:
+    """The same inputs as new leaves (their gradient not yet taken)."""
+    return [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _stash_bytes(layer: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> int:
-    """What torch's input-gradient pass keeps of ``layer`` for its weight pass, on a forward of its own."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+def _split_backward(
+    layer: nn.Module, leaves: list[Any], kwargs: dict[str, Any], first: bool, device: torch.device
+) -> tuple[float, float, int]:
+    """One forward of ``layer`` on ``leaves``, then torch's split backward: the input pass's and the weight pass's
+    seconds, and the bytes the first keeps for the second."""
     output = layer(*leaves, **kwargs) if first else layer(leaves[0] if len(leaves) == 1 else tuple(leaves))
-    outs = [t for t in _tensors(output) if t.requires_grad]
-    if not outs:
-        return 0
+    # copies: torch's input pass detaches its outputs in place, which a view refuses (a copy changes no intermediate)
+    outs = [t.clone() for t in _tensors(output) if t.requires_grad]
     weights = [p for p in layer.parameters() if p.requires_grad]
-    return input_gradient_stash_bytes(outs, [torch.ones_like(t) for t in outs], leaves, weights)
+    _sync(device)
+    start = time.perf_counter()
+    groups = backward_input(outs, [torch.ones_like(t) for t in outs], leaves, weights)
+    _sync(device)
+    middle = time.perf_counter()
+    kept = kept_for_weight_pass(groups)  # the weight pass lets go of them
+    resumed = time.perf_counter()
+    backward_weight(weights, groups)
+    _sync(device)
+    return middle - start, time.perf_counter() - resumed, kept
 
 
 def profile_module(
@@ -94,8 +115,8 @@ def profile_module(
 ) -> ModelProfile:
     """Per-layer costs of ``module`` for one micro-batch, ``batch`` (already on the module's device).
 
-    ``split_backward=False`` skips the input-gradient pass (``backward_weight_s`` left unknown): only a
-    zero-bubble schedule needs the split, and the pass costs about a third more backward time per layer.
+    ``split_backward=False`` skips torch's split backward (``backward_input_s`` and ``backward_weight_s`` left
+    unknown): only a zero-bubble schedule needs it, and it costs another forward and backward per layer.
 
     ``parallelize(layer, tensor_mesh)``: split a copy of each layer over this process's tensor group before
     measuring it (called by every member of the group, on the same batch); the module itself is left as it is."""
@@ -115,8 +136,8 @@ def profile_module(
         # the first run counts the group's collectives: in the forward, and in the whole backward
         forward_count, backward_count = CollectiveCounter(), CollectiveCounter()
         param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
-        forward_times, backward_times, input_grad_times = [], [], []
-        saved_bytes = 0
+        forward_times, backward_times, input_grad_times, weight_grad_times = [], [], [], []
+        saved_bytes = kept = 0
         output: Any = None
         for attempt in range(repeats + 1):
             leaves = [
@@ -147,26 +168,25 @@ def profile_module(
             _sync(device)
             middle = time.perf_counter()
             outs = [t for t in _tensors(output) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in outs]
-            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and wanted and split_backward:  # the input-gradient pass alone; the graph stays for the rest
-                torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
-            _sync(device)
-            input_done = time.perf_counter()
             if outs:
                 with backward_count if counting else contextlib.nullcontext():
-                    torch.autograd.backward(outs, grads)
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _sync(device)
             end = time.perf_counter()
+            wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+            if outs and wanted and split_backward:  # torch's split backward, on a forward of its own
+                input_s, weight_s, kept = _split_backward(layer, _fresh(leaves), kwargs, first, device)
+            else:  # no input to differentiate (the first layer): the whole backward is the weight pass
+                input_s, weight_s = 0.0, end - middle
             if attempt:  # the first run warms up
                 forward_times.append(middle - start)
-                input_grad_times.append(input_done - middle)
-                backward_times.append(end - input_done)
+                backward_times.append(end - middle)
+                input_grad_times.append(input_s)
+                weight_grad_times.append(weight_s)
                 saved_bytes = sum(storages.values())
-        stash = _stash_bytes(layer, inputs, kwargs, first) if split_backward and not first else 0
         layer.zero_grad(set_to_none=True)
         forward_s, backward_s = statistics.median(forward_times), statistics.median(backward_times)
-        input_grad_s = statistics.median(input_grad_times)
+        input_grad_s, weight_grad_s = statistics.median(input_grad_times), statistics.median(weight_grad_times)
         split = {}
         if tensor_mesh is not None:
             n_forward, n_backward = forward_count.count, backward_count.count
@@ -183,8 +203,9 @@ def profile_module(
                 param_bytes=sum(_local(p).numel() * p.element_size() for p in layer.parameters()),
                 output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
                 saved_bytes=saved_bytes,
-                backward_weight_s=max(backward_s - input_grad_s, 0.0) if split_backward else None,
-                intermediate_grad_bytes=stash,
+                backward_weight_s=weight_grad_s if split_backward else None,
+                backward_input_s=input_grad_s if split_backward else None,
+                intermediate_grad_bytes=kept,
                 **split,
             )
         )

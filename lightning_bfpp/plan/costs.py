@@ -53,6 +53,7 @@ class LayerCost:
     tensor_parallel_saved_bytes: int = 0
     measured_split: int = 1
     intermediate_grad_bytes: int = 0
+    backward_input_s: float | None = None
 
     @property
     def full_activation_bytes(self) -> int:
@@ -66,7 +67,7 @@ class LayerCost:
     @property
     def input_grad_s(self) -> float:
         """Time of the input-gradient part of the backward (an ``I`` action), recomputation included."""
-        return self.backward_s - self.weight_grad_s
+        return self.backward_s - self.weight_grad_s if self.backward_input_s is None else self.backward_input_s
 
     def scaled(self, factor: float) -> LayerCost:
         return LayerCost(
@@ -81,6 +82,7 @@ class LayerCost:
             int(self.tensor_parallel_saved_bytes * factor),
             self.measured_split,
             int(self.intermediate_grad_bytes * factor),
+            None if self.backward_input_s is None else self.backward_input_s * factor,
         )
 
     def split_over_tensor_group(self, size: int, all_reduce_s: Callable[[int], float]) -> LayerCost:
@@ -99,6 +101,7 @@ class LayerCost:
             return replace(
                 self, forward_s=self.forward_s + comm, backward_s=self.backward_s + comm, measured_split=1,
                 backward_weight_s=self.weight_grad_s, tensor_parallel_all_reduces=0,
+                backward_input_s=None if self.backward_input_s is None else self.backward_input_s + comm,
             )  # fmt: skip
         if size == 1 or self.tensor_parallel_all_reduces == 0:
             return self
@@ -118,6 +121,7 @@ class LayerCost:
             # the weighted operations' output gradients are split as their outputs are (an approximation: a
             # row-parallel output is whole)
             intermediate_grad_bytes=self.intermediate_grad_bytes // size,
+            backward_input_s=None if self.backward_input_s is None else self.backward_input_s / size + comm,
         )
 
 
@@ -239,6 +243,11 @@ def stage_costs(layers: Sequence[LayerCost], counts: Sequence[int]) -> list[Laye
                     else sum(layer.weight_grad_s for layer in run)
                 ),
                 intermediate_grad_bytes=sum(layer.intermediate_grad_bytes for layer in run),
+                backward_input_s=(
+                    None
+                    if all(layer.backward_input_s is None for layer in run)
+                    else sum(layer.input_grad_s for layer in run)
+                ),
             )
         )
         start += count

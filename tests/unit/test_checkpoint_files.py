@@ -217,7 +217,17 @@ def _fit(dirpath: Path, steps: int, ckpt_path: Path | None = None, **fit_kwargs)
     return trainer
 
 
-def test_resuming_through_fit_runs_no_code_from_the_checkpoint_unless_told_to(tmp_path, monkeypatch):
+@pytest.fixture
+def one_process_group():
+    """The strategy's one-process group, destroyed afterwards: later tests of this process build their own."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_resuming_through_fit_runs_no_code_from_the_checkpoint_unless_told_to(tmp_path, monkeypatch, one_process_group):
     """The path `trainer.fit(ckpt_path=...)` takes, on one process: a `meta.pt` that would run code on unpickling
     is refused, naming what it holds and the fix, and nothing runs; trusting the file is the caller's choice.
     (Lightning 2.6 hands `fit`'s `weights_only` to the strategy only when it restores before setup, so under

@@ -1,0 +1,248 @@
+"""The fastest layout at every point: what ``schedule="auto"`` picks, against each of torch's schedules.
+
+    python -m benchmarks.fastest                      # all 24 points, two interleaved rounds (about 80 min)
+    python -m benchmarks.fastest --points split_p4_m4_dp1 --rounds 3
+
+A point is a job: 16 emulated layers (5 ms forward; a backward of 5 ms input gradient + 5 ms weight gradient in two
+autograd nodes, "split", or of 10 ms in one, "whole"), ``p`` ∈ {2, 4} pipeline ranks, ``m`` ∈ {p, 2p, 4p}
+micro-batches of one sample, and either no data parallelism (64 KiB of weights per layer) or ``full_shard`` over
+dp=2 (3.8 MiB per layer, so that gathers matter). At each point, one after the other in rounds:
+
+- ``auto``: ``BFPPStrategy(pipeline_parallel_size=p, schedule="auto", stages_per_rank="auto", num_microbatches=m,
+  cluster=...)`` through Lightning: the planner measures the layers on rank 0 and chooses among every registered
+  schedule and stages per rank, on this machine as ``python -m lightning_bfpp.plan calibrate`` measured it
+  (calibrated once per process count at the start, or ``--cluster2/4/8``);
+- bfpp's ``breadth_first`` (v=2) through Lightning, the reference the zero-bubble kinds are judged against;
+- torch's ``ScheduleGPipe`` and ``Schedule1F1B`` (v=1), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` (v=2 and v=4) and ``ScheduleZBVZeroBubble`` (v=2), driven by hand over the same
+  stages, with FSDP2 (``fully_shard(stage, reshard_after_forward=False)``) where sharded.
+
+Writes ``runs/fastest/results.json`` and prints the table (``docs/planner.md`` holds a run's), with the bound: the
+fastest of every order considered (bfpp's kinds, which include torch's orders) with free communication and no host
+cost, from the simulator on the layers' nominal times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite import launch
+from benchmarks.suite.report import summarize
+from benchmarks.suite.spec import Emulated, Job
+from lightning_bfpp.plan import Cluster, LayerCost, ModelProfile, Plan, get_schedule, schedule_names, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "runs" / "fastest"
+TORCH_JOBS = [("GPipe", 1), ("1F1B", 1)] + [
+    (name, v) for name in ("LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble") for v in (2, 4)
+] + [("ZBVZeroBubble", 2)]  # fmt: skip
+TOLERANCE = 1.03  # auto's step may be at most this over the fastest torch schedule's
+
+
+@dataclass(frozen=True)
+class Point:
+    split: bool
+    p: int
+    m: int
+    dp: int
+
+    @property
+    def name(self) -> str:
+        return f"{'split' if self.split else 'whole'}_p{self.p}_m{self.m}_dp{self.dp}"
+
+    @property
+    def emulated(self) -> Emulated:
+        param_numel = 16_384 if self.dp == 1 else 1_000_000
+        if self.split:
+            return Emulated(16, 5.0, 5.0, param_numel, 4096, weight_grad_ms=5.0)
+        return Emulated(16, 5.0, 10.0, param_numel, 4096)
+
+    def jobs(self, clusters: dict[int, str], warmup: int, steps: int) -> list[Job]:
+        processes = self.p * self.dp
+        common = dict(
+            group=self.name, processes=processes, p=self.p, m=self.m, dp=self.dp, emulated=self.emulated,
+            warmup=warmup, steps=steps, timeout_s=400.0 if processes > 4 else 240.0,
+        )  # fmt: skip
+        jobs = [
+            Job(f"{self.name}/auto", kind="bfpp", label="bfpp schedule='auto'", schedule="auto", v=0,
+                cluster=clusters[processes], reference=True, **common),
+            Job(f"{self.name}/bfpp_bf", kind="bfpp", label="bfpp breadth_first", schedule="breadth_first", v=2,
+                **common),
+        ]  # fmt: skip
+        for schedule, v in TORCH_JOBS:
+            jobs.append(
+                Job(f"{self.name}/{schedule}_v{v}", kind="torch", label=f"torch {schedule} v={v}", schedule=schedule,
+                    v=v, **common)
+            )  # fmt: skip
+        return jobs
+
+
+POINTS = [Point(split, p, m, dp) for split in (True, False) for p in (2, 4) for m in (p, 2 * p, 4 * p) for dp in (1, 2)]
+
+
+def bound_ms(point: Point) -> tuple[float, str]:
+    """The fastest order's step with free communication and no host cost, and which order: the simulator on the
+    layers' nominal times, over every registered pipeline kind at v ∈ {1, 2, 4} (they include torch's orders; a
+    whole backward runs whole in both passes of a split one, as torch's runtime runs it)."""
+    e = point.emulated
+    i = e.backward_ms / 1e3
+    w = e.weight_grad_ms / 1e3 if e.weight_grad_ms else i  # one node: the weight pass runs it again
+    layer = LayerCost(e.forward_ms / 1e3, (e.backward_ms + (e.weight_grad_ms or 0.0)) / 1e3, 4 * e.param_numel,
+                      4 * e.activation_numel, 0, backward_weight_s=w, backward_input_s=i)  # fmt: skip
+    profile = ModelProfile(tuple([layer] * e.layers))
+    free = Cluster(point.p * point.dp, point.p * point.dp, 2**50, 1e18, 1e18, latency_s=0.0)
+    best = (float("inf"), "")
+    for name in schedule_names():
+        kind = get_schedule(name)
+        if kind.runner != "stages":
+            continue
+        for v in kind.stages_per_rank_choices or (1, 2, 4):
+            try:
+                step = simulate(Plan(name, point.p, point.dp, v, point.m), profile, free).step_time
+            except ValueError:
+                continue
+            best = min(best, (1e3 * step, f"{name} v={v}"))
+    return best
+
+
+def calibrated(processes: int, given: str | None) -> str:
+    """A Cluster JSON for ``processes`` processes on this machine: ``given``, one calibrated earlier, or now."""
+    if given:
+        return given
+    path = OUT / f"cluster{processes}.json"
+    if not path.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_bfpp.plan",
+            "calibrate",
+            "--devices",
+            str(processes),
+            "--out",
+            str(path),
+        ]
+        subprocess.run(cmd, check=True, env=env, cwd=REPO)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--points", help="comma-separated point names (default: all 24)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    for n in (2, 4, 8):
+        parser.add_argument(f"--cluster{n}", help=f"a Cluster JSON for {n} processes (default: calibrated here)")
+    args = parser.parse_args()
+    points = POINTS
+    if args.points:
+        wanted = {p.strip() for p in args.points.split(",")}
+        points = [p for p in POINTS if p.name in wanted]
+        if not points:
+            raise SystemExit(f"no point named {args.points!r}; points are {', '.join(p.name for p in POINTS)}")
+    clusters = {n: calibrated(n, getattr(args, f"cluster{n}")) for n in sorted({p.p * p.dp for p in points})}
+    started = time.monotonic()
+    results = []
+    for point in points:
+        jobs = point.jobs(clusters, args.warmup, args.steps)
+        launches: dict[str, list[list[dict[str, Any]]]] = {j.name: [] for j in jobs}
+        for round_index in range(args.rounds):
+            for job in jobs:  # interleaved: drift in the machine's load reaches every job of the point
+                t0 = time.monotonic()
+                folder = OUT / "raw" / job.name.replace("/", "_") / f"round{round_index}"
+                records = launch.launch(job, folder)
+                launches[job.name].append(records)
+                status = next((r["error"] for r in records if "error" in r), "ok")
+                print(f"[{time.monotonic() - started:7.1f}s] {job.name:<40} {time.monotonic() - t0:5.1f}s {status}",
+                      flush=True)  # fmt: skip
+        results.append(_point_result(point, jobs, launches))
+        print(_row(results[-1]), flush=True)
+    command = "python -m benchmarks.fastest " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    OUT.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "minutes": (time.monotonic() - started) / 60,
+        "load_average": os.getloadavg(),
+        "points": results,
+    }
+    (OUT / "results.json").write_text(json.dumps(payload, indent=1))
+    print("\n" + table(results))
+
+
+def _point_result(point: Point, jobs: list[Job], launches: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    rows = {j.name.split("/", 1)[1]: summarize(j, launches[j.name]) for j in jobs}
+    steps = {name: (row.step_ms.median if row.step_ms else None) for name, row in rows.items()}
+    torch_steps = {n: s for n, s in steps.items() if n not in ("auto", "bfpp_bf") and s is not None}
+    fastest_torch = min(torch_steps, key=torch_steps.__getitem__) if torch_steps else None
+    plans = [r.get("plan") for records in launches[f"{point.name}/auto"] for r in records if r.get("plan")]
+    bound, bound_order = bound_ms(point)
+    return {
+        "point": point.name, "split": point.split, "p": point.p, "m": point.m, "dp": point.dp,
+        "steps_ms": steps, "errors": {n: r.errors for n, r in rows.items() if r.errors},
+        "auto_plan": plans[0] if plans else None, "fastest_torch": fastest_torch,
+        "bound_ms": bound, "bound_order": bound_order,
+    }  # fmt: skip
+
+
+def _ratio(result: dict[str, Any]) -> float | None:
+    auto, fastest = result["steps_ms"].get("auto"), result["fastest_torch"]
+    if auto is None or fastest is None:
+        return None
+    return auto / result["steps_ms"][fastest]
+
+
+def _row(result: dict[str, Any]) -> str:
+    steps, plan, fastest = result["steps_ms"], result["auto_plan"] or {}, result["fastest_torch"]
+    ratio = _ratio(result)
+    bf, auto = steps.get("bfpp_bf"), steps.get("auto")
+    over_bf = "" if not bf or auto is None else f"{auto / bf:.3f}"
+    return (
+        f"| {result['point']} | {plan.get('schedule', '?')} v={plan.get('v', '?')} | {_ms(steps.get('auto'))} |"
+        f" {_ms(1e3 * plan['predicted_s']) if plan else ''} | {fastest or '?'} | {_ms(steps.get(fastest))} |"
+        f" {'' if ratio is None else f'{ratio:.3f}'}{'' if ratio is None or ratio <= TOLERANCE else ' ✗'} |"
+        f" {_ms(bf)} | {over_bf} |"
+        f" {result['bound_ms']:.0f} ({result['bound_order']}) |"
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (
+        "| point | auto chose | auto step (ms) | predicted (ms) | fastest torch | its step (ms) | auto / it |"
+        " bfpp breadth_first (ms) | auto / breadth-first | bound (ms) |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    ratios = [r for r in (_ratio(x) for x in results) if r is not None]
+    within = sum(r <= TOLERANCE for r in ratios)
+    lines = [head, *(_row(r) for r in results), ""]
+    if ratios:
+        lines.append(
+            f"auto within {TOLERANCE - 1:.0%} of the fastest torch schedule (or faster) at {within} of {len(ratios)}"
+            f" points; median auto / fastest torch {statistics.median(ratios):.3f}"
+        )
+    wins: dict[str, int] = {}
+    for r in results:
+        if r["fastest_torch"]:
+            wins[r["fastest_torch"]] = wins.get(r["fastest_torch"], 0) + 1
+    lines.append("fastest torch schedule: " + ", ".join(f"{k} at {v}" for k, v in sorted(wins.items())))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
