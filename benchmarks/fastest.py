@@ -1,6 +1,6 @@
 """The fastest layout at every point: what ``schedule="auto"`` picks, against each of torch's schedules.
 
-    python -m benchmarks.fastest                      # all 24 points, two interleaved rounds (about 80 min)
+    python -m benchmarks.fastest                      # all 24 points, four interleaved rounds (about 2 hours)
     python -m benchmarks.fastest --points split_p4_m4_dp1 --rounds 3
 
 A point is a job: 16 emulated layers (5 ms forward; a backward of 5 ms input gradient + 5 ms weight gradient in two
@@ -15,7 +15,12 @@ dp=2 (3.8 MiB per layer, so that gathers matter). At each point, one after the o
 - bfpp's ``breadth_first`` (v=2) through Lightning, the reference the zero-bubble kinds are judged against;
 - torch's ``ScheduleGPipe`` and ``Schedule1F1B`` (v=1), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B`` and
   ``ScheduleInterleavedZeroBubble`` (v=2 and v=4) and ``ScheduleZBVZeroBubble`` (v=2), driven by hand over the same
-  stages, with FSDP2 (``fully_shard(stage, reshard_after_forward=False)``) where sharded.
+  stages, with FSDP2 (``fully_shard(stage, reshard_after_forward=False)``) where sharded, by a loop that after each
+  step's backward all-reduces the gradients' norm over every rank (what clipping by the model's norm issues,
+  torchtitan's default): a training loop's one collective per step, which ends every rank's step together, as
+  ``BFPPStrategy``'s shared step does. (Without it a rank starts its next step while another still drains this
+  one, an overlap of consecutive steps that a loop which logs or clips does not have: at p=2 m=4 with ZB-V it
+  hid 5% of the step.)
 
 Writes ``runs/fastest/results.json`` and prints the table (``docs/planner.md`` holds a run's), with the bound: the
 fastest of every order considered (bfpp's kinds, which include torch's orders) with free communication and no host
@@ -28,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import shlex
 import statistics
 import subprocess
@@ -83,7 +89,7 @@ class Point:
         for schedule, v in TORCH_JOBS:
             jobs.append(
                 Job(f"{self.name}/{schedule}_v{v}", kind="torch", label=f"torch {schedule} v={v}", schedule=schedule,
-                    v=v, **common)
+                    v=v, step_sync=True, **common)
             )  # fmt: skip
         return jobs
 
@@ -141,7 +147,7 @@ def calibrated(processes: int, given: str | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", help="comma-separated point names (default: all 24)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     for n in (2, 4, 8):
@@ -160,7 +166,11 @@ def main() -> None:
         jobs = point.jobs(clusters, args.warmup, args.steps)
         launches: dict[str, list[list[dict[str, Any]]]] = {j.name: [] for j in jobs}
         for round_index in range(args.rounds):
-            for job in jobs:  # interleaved: drift in the machine's load reaches every job of the point
+            # interleaved, each round in another order: the machine's load drifts, and a slow spell then reaches
+            # different jobs in different rounds instead of the same neighbours every time
+            order = list(jobs)
+            random.Random(f"{point.name}/{round_index}").shuffle(order)
+            for job in order:
                 t0 = time.monotonic()
                 folder = OUT / "raw" / job.name.replace("/", "_") / f"round{round_index}"
                 records = launch.launch(job, folder)
@@ -185,14 +195,18 @@ def main() -> None:
 
 def _point_result(point: Point, jobs: list[Job], launches: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
     rows = {j.name.split("/", 1)[1]: summarize(j, launches[j.name]) for j in jobs}
-    steps = {name: (row.step_ms.median if row.step_ms else None) for name, row in rows.items()}
+    # each job's median over its launches' medians: one slow launch moves it less than pooling its steps would
+    steps = {
+        name: (statistics.median(row.launch_step_ms) if row.launch_step_ms else None) for name, row in rows.items()
+    }
+    spread = {name: [round(x, 1) for x in row.launch_step_ms] for name, row in rows.items()}
     torch_steps = {n: s for n, s in steps.items() if n not in ("auto", "bfpp_bf") and s is not None}
     fastest_torch = min(torch_steps, key=torch_steps.__getitem__) if torch_steps else None
     plans = [r.get("plan") for records in launches[f"{point.name}/auto"] for r in records if r.get("plan")]
     bound, bound_order = bound_ms(point)
     return {
         "point": point.name, "split": point.split, "p": point.p, "m": point.m, "dp": point.dp,
-        "steps_ms": steps, "errors": {n: r.errors for n, r in rows.items() if r.errors},
+        "steps_ms": steps, "launch_steps_ms": spread, "errors": {n: r.errors for n, r in rows.items() if r.errors},
         "auto_plan": plans[0] if plans else None, "fastest_torch": fastest_torch,
         "bound_ms": bound, "bound_order": bound_order,
     }  # fmt: skip

@@ -117,6 +117,11 @@ class Job:
     # a folder: the bfpp kind writes its steps' timelines there (BFPPStrategy(trace=...)); the bfpp_hand and torch
     # kinds return their timed steps' spans in their records instead
     trace: str = ""
+    # bfpp_hand and torch kinds: after each step's backward, the all-reduce of the gradients' norm over every rank
+    # that clipping issues (torchtitan clips by default): a training loop's one collective per step, which ends the
+    # step on every rank together, as BFPPStrategy's shared step does (without it a rank starts the next step
+    # while another still drains this one)
+    step_sync: bool = False
     # the bfpp kind with schedule="auto": the planner chooses the schedule (and with v=0 the stages per rank) at the
     # job's p and m, on this machine description (a Cluster JSON, e.g. from `plan calibrate`; "": assumed links)
     cluster: str = ""

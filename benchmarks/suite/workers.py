@@ -252,6 +252,8 @@ def _bfpp_by_hand(job: Job, rank: int) -> dict[str, Any]:
         kwargs: list[dict[str, Any]] | None = [{} for _ in range(job.m)] if here.first else None
         with spans.recording(step, schedule):
             schedule.run(args, kwargs, list(targets.chunk(job.m)))
+        if job.step_sync:
+            _gradient_norm_all_reduce(optimizer)
         start = time.perf_counter()
         clock.phase("optimizer")
         optimizer.step()
@@ -287,6 +289,8 @@ def _torch_schedule(job: Job, rank: int) -> dict[str, Any]:
         args = (inputs,) if here.first else ()
         with spans.recording(step, schedule):
             schedule.step(*args, target=targets if here.last else None)
+        if job.step_sync:
+            _gradient_norm_all_reduce(optimizer)
         start = time.perf_counter()
         clock.phase("optimizer")
         optimizer.step()
@@ -296,6 +300,15 @@ def _torch_schedule(job: Job, rank: int) -> dict[str, Any]:
     clock.mark()
     _finish()
     return spans.result(clock.result())
+
+
+def _gradient_norm_all_reduce(optimizer: torch.optim.Optimizer) -> None:
+    """What clipping by the whole model's norm communicates (torchtitan's ``clip_grad_norm_`` with a pipeline): the
+    local gradients' squared norm, summed over every rank."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    total = torch.stack([g.detach().float().pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+    dist.all_reduce(total)
 
 
 def _independent(job: Job, barrier: Barrier | None) -> dict[str, Any]:
