@@ -1,6 +1,6 @@
 """The fastest layout at every point: what ``schedule="auto"`` picks, against each of torch's schedules.
 
-    python -m benchmarks.fastest                      # all 24 points, four interleaved rounds (about 2 hours)
+    python -m benchmarks.fastest    # all 24 points, four interleaved rounds (three took 118 min on 2 cores)
     python -m benchmarks.fastest --points split_p4_m4_dp1 --rounds 3
 
 A point is a job: 16 emulated layers (5 ms forward; a backward of 5 ms input gradient + 5 ms weight gradient in two
