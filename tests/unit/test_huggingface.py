@@ -219,8 +219,9 @@ def small_config(family: str, **kwargs):
         ("qwen3_next", {}, r"Layer 0 of this `qwen3_next` model is a `linear_attention` layer"),
         # the router's load-balancing loss spans every stage
         ("mixtral", {"output_router_logits": True}, r"`output_router_logits=True`: its load-balancing loss"),
-        # a rotary model whose layers take ALiBi from its forward: found by the composition check
-        ("falcon", {"alibi": True}, r"fail where its own forward runs"),
+        # a rotary model whose layers take ALiBi from its forward: found by the composition check (transformers
+        # 5.24's layers raise without the ALiBi tensor; 5.25's run and give other logits)
+        ("falcon", {"alibi": True}, r"fail where its own forward runs|do not reproduce its logits"),
     ],
 )
 def test_families_the_generic_path_cannot_take_are_refused_naming_why(family, kwargs, message):
