@@ -74,7 +74,7 @@ class Point:
             return Emulated(16, 5.0, 5.0, param_numel, 4096, weight_grad_ms=5.0)
         return Emulated(16, 5.0, 10.0, param_numel, 4096)
 
-    def jobs(self, clusters: dict[int, str], warmup: int, steps: int) -> list[Job]:
+    def jobs(self, clusters: dict[int, str], warmup: int, steps: int, torch_jobs: set[str] | None = None) -> list[Job]:
         processes = self.p * self.dp
         common = dict(
             group=self.name, processes=processes, p=self.p, m=self.m, dp=self.dp, emulated=self.emulated,
@@ -86,7 +86,14 @@ class Point:
             Job(f"{self.name}/bfpp_bf", kind="bfpp", label="bfpp breadth_first", schedule="breadth_first", v=2,
                 **common),
         ]  # fmt: skip
-        for schedule, v in TORCH_JOBS:
+        if self.dp > 1:  # auto at the memory torch's jobs hold: every local stage's weights resident all step
+            jobs.append(
+                Job(f"{self.name}/auto_sgo", kind="bfpp", label="bfpp schedule='auto' shard_grad_op", schedule="auto",
+                    v=0, sharding="shard_grad_op", cluster=clusters[processes], **common)
+            )  # fmt: skip
+        for schedule, v in (
+            TORCH_JOBS if torch_jobs is None else [j for j in TORCH_JOBS if f"{j[0]}_v{j[1]}" in torch_jobs]
+        ):
             jobs.append(
                 Job(f"{self.name}/{schedule}_v{v}", kind="torch", label=f"torch {schedule} v={v}", schedule=schedule,
                     v=v, step_sync=True, **common)
@@ -148,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", help="comma-separated point names (default: all 24)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--torch", help="comma-separated torch jobs to run, e.g. Interleaved1F1B_v2 (default: all)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     for n in (2, 4, 8):
@@ -163,7 +171,8 @@ def main() -> None:
     started = time.monotonic()
     results = []
     for point in points:
-        jobs = point.jobs(clusters, args.warmup, args.steps)
+        torch_jobs = {t.strip() for t in args.torch.split(",")} if args.torch else None
+        jobs = point.jobs(clusters, args.warmup, args.steps, torch_jobs)
         launches: dict[str, list[list[dict[str, Any]]]] = {j.name: [] for j in jobs}
         for round_index in range(args.rounds):
             # interleaved, each round in another order: the machine's load drifts, and a slow spell then reaches
@@ -200,20 +209,23 @@ def _point_result(point: Point, jobs: list[Job], launches: dict[str, list[list[d
         name: (statistics.median(row.launch_step_ms) if row.launch_step_ms else None) for name, row in rows.items()
     }
     spread = {name: [round(x, 1) for x in row.launch_step_ms] for name, row in rows.items()}
-    torch_steps = {n: s for n, s in steps.items() if n not in ("auto", "bfpp_bf") and s is not None}
+    torch_steps = {n: s for n, s in steps.items() if n not in ("auto", "auto_sgo", "bfpp_bf") and s is not None}
     fastest_torch = min(torch_steps, key=torch_steps.__getitem__) if torch_steps else None
     plans = [r.get("plan") for records in launches[f"{point.name}/auto"] for r in records if r.get("plan")]
+    sgo = launches.get(f"{point.name}/auto_sgo", [])
+    sgo_plans = [r.get("plan") for records in sgo for r in records if r.get("plan")]
     bound, bound_order = bound_ms(point)
     return {
         "point": point.name, "split": point.split, "p": point.p, "m": point.m, "dp": point.dp,
         "steps_ms": steps, "launch_steps_ms": spread, "errors": {n: r.errors for n, r in rows.items() if r.errors},
-        "auto_plan": plans[0] if plans else None, "fastest_torch": fastest_torch,
+        "auto_plan": plans[0] if plans else None, "auto_sgo_plan": sgo_plans[0] if sgo_plans else None,
+        "fastest_torch": fastest_torch,
         "bound_ms": bound, "bound_order": bound_order,
     }  # fmt: skip
 
 
-def _ratio(result: dict[str, Any]) -> float | None:
-    auto, fastest = result["steps_ms"].get("auto"), result["fastest_torch"]
+def _ratio(result: dict[str, Any], job: str = "auto") -> float | None:
+    auto, fastest = result["steps_ms"].get(job), result["fastest_torch"]
     if auto is None or fastest is None:
         return None
     return auto / result["steps_ms"][fastest]
@@ -228,9 +240,18 @@ def _row(result: dict[str, Any]) -> str:
         f"| {result['point']} | {plan.get('schedule', '?')} v={plan.get('v', '?')} | {_ms(steps.get('auto'))} |"
         f" {_ms(1e3 * plan['predicted_s']) if plan else ''} | {fastest or '?'} | {_ms(steps.get(fastest))} |"
         f" {'' if ratio is None else f'{ratio:.3f}'}{'' if ratio is None or ratio <= TOLERANCE else ' ✗'} |"
-        f" {_ms(bf)} | {over_bf} |"
+        f" {_ms(bf)} | {over_bf} | {_sgo(result)} |"
         f" {result['bound_ms']:.0f} ({result['bound_order']}) |"
     )
+
+
+def _sgo(result: dict[str, Any]) -> str:
+    """``auto`` under ``shard_grad_op``: its choice, step and ratio to the fastest torch schedule (dp > 1 only)."""
+    plan, ratio = result.get("auto_sgo_plan"), _ratio(result, "auto_sgo")
+    if not plan or ratio is None:
+        return ""
+    mark = "" if ratio <= TOLERANCE else " ✗"
+    return f"{plan['schedule']} v={plan['v']}: {_ms(result['steps_ms']['auto_sgo'])}, {ratio:.3f}{mark}"
 
 
 def _ms(value: float | None) -> str:
@@ -240,7 +261,8 @@ def _ms(value: float | None) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     head = (
         "| point | auto chose | auto step (ms) | predicted (ms) | fastest torch | its step (ms) | auto / it |"
-        " bfpp breadth_first (ms) | auto / breadth-first | bound (ms) |\n|---|---|---|---|---|---|---|---|---|---|"
+        " bfpp breadth_first (ms) | auto / breadth-first | auto shard_grad_op: chose, step (ms), / fastest torch |"
+        " bound (ms) |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     ratios = [r for r in (_ratio(x) for x in results) if r is not None]
     within = sum(r <= TOLERANCE for r in ratios)
@@ -249,6 +271,12 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"auto within {TOLERANCE - 1:.0%} of the fastest torch schedule (or faster) at {within} of {len(ratios)}"
             f" points; median auto / fastest torch {statistics.median(ratios):.3f}"
+        )
+    sgo = [r for r in (_ratio(x, "auto_sgo") for x in results) if r is not None]
+    if sgo:
+        lines.append(
+            f"auto with shard_grad_op (the weights' residency of torch's FSDP2 jobs) within {TOLERANCE - 1:.0%} at"
+            f" {sum(r <= TOLERANCE for r in sgo)} of {len(sgo)} sharded points"
         )
     wins: dict[str, int] = {}
     for r in results:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +57,18 @@ def run_worker(
     """Run ``runs`` one after another in ``devices`` CPU processes; a timeout is reported as a hang.
 
     The processes get ``OMP_NUM_THREADS=1`` unless ``unset`` names it (then the strategy picks their threads).
+    They start from :class:`PreImported`'s server, which has imported the worker already; a launch that unsets
+    a variable starts a new interpreter (what a process reads from its environment at import stays its own).
     """
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps({"devices": devices, "runs": [r.to_json() for r in runs]}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for name in ("LOCAL_RANK", *unset):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "tests.distributed.worker", str(spec_path), str(workdir / "out")]
+    args = [str(spec_path), str(workdir / "out")]
+    cmd = [sys.executable, "-m", "tests.distributed.worker", *args]
+    if not unset:
+        return PreImported.run(args, env, workdir, timeout, cmd)
     try:
         # a new session, so a hang can be killed with every process Lightning launched
         proc = subprocess.Popen(
@@ -70,6 +80,83 @@ def run_worker(
         stdout, stderr = proc.communicate()
         raise AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{_tail(stderr)}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+class PreImported:
+    """Launches through :mod:`tests.distributed.preimported`'s server (one per test session, started at the
+    first launch), which forks each launch from a process that imported the worker already."""
+
+    _server: subprocess.Popen | None = None
+
+    @classmethod
+    def _start(cls) -> subprocess.Popen:
+        if cls._server is None or cls._server.poll() is not None:
+            env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+            env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            cls._server = subprocess.Popen(
+                [sys.executable, "-m", "tests.distributed.preimported"],
+                cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            )  # fmt: skip
+            atexit.register(cls._server.stdin.close)  # type: ignore[union-attr]
+        return cls._server
+
+    @classmethod
+    def run(
+        cls, args: list[str], env: dict[str, str], workdir: Path, timeout: float, cmd: list[str]
+    ) -> subprocess.CompletedProcess:
+        out, err, alive = (workdir / f"worker.{name}" for name in ("stdout", "stderr", "alive"))
+        deadline = time.monotonic() + timeout
+        server = cls._start()
+        request = {"args": args, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
+        server.stdin.write(json.dumps({**request, "alive": str(alive)}) + "\n")  # type: ignore[union-attr]
+        pid_line = _read_line(server, deadline)
+        if pid_line is None:
+            raise AssertionError(f"the pre-imported launcher did not start a worker (exit {server.poll()})")
+        pid = int(pid_line)
+        status = _read_line(server, deadline)
+        # the launch ends when its last rank has: those forked from the first may outlive it
+        if status is None or not _wait_for_unlock(alive, deadline):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            if status is None:
+                _read_line(server, time.monotonic() + 30)
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+            raise AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{_tail(stderr)}")
+        stdout, stderr = (f.read_text(errors="replace") for f in (out, err))
+        return subprocess.CompletedProcess(cmd, int(status), stdout, stderr)
+
+
+_answers = bytearray()  # what the server wrote that no _read_line has returned yet
+
+
+def _read_line(server: subprocess.Popen, deadline: float) -> str | None:
+    """The server's next answer, or None if none came before ``deadline`` (or the server is gone)."""
+    fd = server.stdout.fileno()  # type: ignore[union-attr]
+    while b"\n" not in _answers:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            return None
+        _answers.extend(chunk)
+    line, _, rest = bytes(_answers).partition(b"\n")
+    _answers[:] = rest
+    return line.decode().strip()
+
+
+def _wait_for_unlock(path: Path, deadline: float) -> bool:
+    """Whether every process holding ``path``'s shared lock exited (or dropped it) before ``deadline``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
 
 
 def launch(

@@ -1,7 +1,7 @@
 """Runs the pipelined training runs of a JSON spec on CPU processes and writes what the tests compare.
 
-Usage (the tests do this): ``python -m tests.distributed.worker SPEC.json OUT_DIR``. Lightning's launcher
-re-runs the same command for every further local rank; all runs in a spec share one world size and run
+Usage (the tests do this): ``python -m tests.distributed.worker SPEC.json OUT_DIR``. The process forks its
+other local ranks after its imports (:class:`LocalRanks`); all runs in a spec share one world size and run
 one after the other in the same processes.
 
 Per run and rank it writes ``OUT_DIR/<run>/rank<R>.json``: the metrics each step logged and returned, the
@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -582,12 +583,83 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     trainer.strategy.barrier()
 
 
+class LocalRanks:
+    """This machine's other ranks, forked from this process after its imports (Lightning's launcher would start
+    each as a new interpreter re-running this command: about 7 s of one core per process to import torch and
+    Lightning again, 10 s of a 4-process launch on 2 cores; a forked child has them already).
+
+    The children get the environment Lightning's launcher gives its own (``MASTER_ADDR``, ``MASTER_PORT``,
+    ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so Lightning sees processes created outside it, as under
+    torchrun. Nothing is forked when a launcher already started the ranks (``LOCAL_RANK`` set) or for one
+    process. As Lightning's launcher does, a child that exits non-zero gets every process killed 5 s later
+    (a rank that lost a peer may otherwise wait in a collective until the test's timeout), so the launch fails
+    whichever rank failed; and this process leaves only after its children.
+    """
+
+    POLL_S = 0.5
+    KILL_AFTER_S = 5.0
+
+    def __init__(self, devices: int) -> None:
+        self.children: list[int] = []
+        if "LOCAL_RANK" in os.environ or devices < 2:
+            return
+        from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(find_free_network_port()),
+            NODE_RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(devices),
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for local_rank in range(1, devices):
+            pid = os.fork()
+            if pid == 0:
+                os.environ["LOCAL_RANK"] = str(local_rank)
+                self.children = []
+                return
+            self.children.append(pid)
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="local-ranks").start()
+
+    def _watch(self) -> None:
+        running = list(self.children)
+        while running:
+            for pid in list(running):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if not done:
+                    continue
+                running.remove(pid)
+                if os.waitstatus_to_exitcode(status) != 0:
+                    time.sleep(self.KILL_AFTER_S)
+                    for other in running:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.POLL_S)
+        self._done.set()
+
+    def wait(self) -> None:
+        """Return once every child has exited with status 0 (at once in a child)."""
+        if self.children:
+            self._done.wait()
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
+    ranks = LocalRanks(spec["devices"])
+    # whole lines per write: ranks forked together raise together, and PYTHONUNBUFFERED's writes of a traceback's
+    # pieces from two ranks interleaved inside lines
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     events = EventLog()
     events.install()
     events.install_step_marks()
+    # a rank whose run raises leaves as a process of its own would, through the interpreter's exit: leaving at once
+    # closes its connections before the failure watchdog's message reaches the others
     for run in spec["runs"]:
         run_one(RunSpec(**run), spec["devices"], out / run["name"], events)
     # every rank has written what it recorded: once all have (none then needs the store global rank 0 hosts),
@@ -596,6 +668,7 @@ def main() -> None:
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
+    ranks.wait()
     os._exit(0)
 
 

@@ -1,0 +1,32 @@
+"""The fastest-layout benchmark's table: the ratio and its mark per point, and auto under shard_grad_op."""
+
+from __future__ import annotations
+
+from benchmarks.fastest import POINTS, table
+
+
+def _result(point: str, dp: int, steps: dict[str, float], sgo: bool) -> dict:
+    torch_steps = {k: v for k, v in steps.items() if k not in ("auto", "auto_sgo", "bfpp_bf")}
+    return {
+        "point": point, "dp": dp, "steps_ms": steps, "fastest_torch": min(torch_steps, key=torch_steps.get),
+        "auto_plan": {"schedule": "depth_first", "v": 4, "predicted_s": 0.6},
+        "auto_sgo_plan": {"schedule": "breadth_first", "v": 2} if sgo else None,
+        "bound_ms": 500.0, "bound_order": "zbv v=2",
+    }  # fmt: skip
+
+
+def test_points_cover_both_shardings_and_the_table_marks_misses_and_shard_grad_op_rows():
+    assert {p.dp for p in POINTS} == {1, 2} and len(POINTS) == 24
+    unsharded = _result("whole_p4_m8_dp1", 1, {"auto": 600.0, "bfpp_bf": 640.0, "Interleaved1F1B_v4": 607.0}, False)
+    sharded = _result(
+        "whole_p4_m8_dp2", 2,
+        {"auto": 968.0, "auto_sgo": 850.0, "bfpp_bf": 924.0, "Interleaved1F1B_v2": 846.0, "LoopedBFS_v2": 874.0},
+        True,
+    )  # fmt: skip
+    text = table([unsharded, sharded])
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| whole")}
+    assert "0.988 |" in rows["whole_p4_m8_dp1"] and "✗" not in rows["whole_p4_m8_dp1"]
+    assert "1.144 ✗" in rows["whole_p4_m8_dp2"]  # 968 / 846
+    assert "breadth_first v=2: 850, 1.005 |" in rows["whole_p4_m8_dp2"]  # within 3%: no mark
+    assert "at 1 of 2 points" in text
+    assert "within 3% at 1 of 1 sharded points" in text
