@@ -167,11 +167,15 @@ def main() -> None:
         points = [p for p in POINTS if p.name in wanted]
         if not points:
             raise SystemExit(f"no point named {args.points!r}; points are {', '.join(p.name for p in POINTS)}")
+    torch_jobs = {t.strip() for t in args.torch.split(",")} if args.torch else None
+    unknown = sorted((torch_jobs or set()) - {f"{name}_v{v}" for name, v in TORCH_JOBS})
+    if unknown:
+        known = ", ".join(f"{name}_v{v}" for name, v in TORCH_JOBS)
+        raise SystemExit(f"no torch job named {', '.join(unknown)}; torch jobs are {known}")
     clusters = {n: calibrated(n, getattr(args, f"cluster{n}")) for n in sorted({p.p * p.dp for p in points})}
     started = time.monotonic()
     results = []
     for point in points:
-        torch_jobs = {t.strip() for t in args.torch.split(",")} if args.torch else None
         jobs = point.jobs(clusters, args.warmup, args.steps, torch_jobs)
         launches: dict[str, list[list[dict[str, Any]]]] = {j.name: [] for j in jobs}
         for round_index in range(args.rounds):

@@ -62,9 +62,7 @@ def run_worker(
     """
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps({"devices": devices, "runs": [r.to_json() for r in runs]}))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", *unset):
-        env.pop(name, None)
+    env = _launch_env(unset)
     args = [str(spec_path), str(workdir / "out")]
     cmd = [sys.executable, "-m", "tests.distributed.worker", *args]
     if not unset:
@@ -82,6 +80,14 @@ def run_worker(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def _launch_env(unset: Sequence[str] = ()) -> dict[str, str]:
+    """The environment a launch's processes get (also the pre-imported server's: what torch reads at import)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("LOCAL_RANK", *unset):
+        env.pop(name, None)
+    return env
+
+
 class PreImported:
     """Launches through :mod:`tests.distributed.preimported`'s server (one per test session, started at the
     first launch), which forks each launch from a process that imported the worker already."""
@@ -91,11 +97,9 @@ class PreImported:
     @classmethod
     def _start(cls) -> subprocess.Popen:
         if cls._server is None or cls._server.poll() is not None:
-            env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-            env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             cls._server = subprocess.Popen(
                 [sys.executable, "-m", "tests.distributed.preimported"],
-                cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                cwd=REPO, env=_launch_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             )  # fmt: skip
             atexit.register(cls._server.stdin.close)  # type: ignore[union-attr]
         return cls._server
@@ -107,8 +111,15 @@ class PreImported:
         out, err, alive = (workdir / f"worker.{name}" for name in ("stdout", "stderr", "alive"))
         deadline = time.monotonic() + timeout
         server = cls._start()
-        request = {"args": args, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
-        server.stdin.write(json.dumps({**request, "alive": str(alive)}) + "\n")  # type: ignore[union-attr]
+        request = {
+            "args": args,
+            "env": env,
+            "cwd": str(REPO),
+            "stdout": str(out),
+            "stderr": str(err),
+            "alive": str(alive),
+        }
+        server.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
         pid_line = _read_line(server, deadline)
         if pid_line is None:
             raise AssertionError(f"the pre-imported launcher did not start a worker (exit {server.poll()})")
