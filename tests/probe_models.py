@@ -38,7 +38,7 @@ class SleepingNet(LayerStack):
 
 
 def sleeping_net(run: RunSpec) -> SleepingNet:
-    return SleepingNet()
+    return SleepingNet(**run.model)
 
 
 def aliased_net(run: RunSpec) -> PipeNet:

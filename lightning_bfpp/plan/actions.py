@@ -212,20 +212,25 @@ def add_sharding_actions(
     or backwards, where ``B``, ``I`` and ``W`` all need the stage's weights and mix in one visit). A stage is
     unsharded (its weights all-gathered) for a visit; with ``prefetch=k`` the stages of the next ``k`` visits are
     unsharded when the current visit starts, so their gathers overlap this visit's compute (``0``: each stage
-    is gathered when its visit starts), and a stage needed again within the next ``keep`` visits (default:
-    ``prefetch``) is kept rather than released. ``REDUCE_GRAD`` follows a stage's last gradient action (``B``, or
-    ``W`` of a split backward). When a stage is released depends on ``sharding``:
+    is gathered when its visit starts), and a stage needed again within the next ``keep`` visits is kept rather
+    than released. ``REDUCE_GRAD`` follows a stage's last gradient action (``B``, or ``W`` of a split
+    backward). When a stage is released depends on ``sharding``:
 
     - ``"full_shard"`` (ZeRO-3): after every visit, unless one of the next ``keep`` visits is to the same stage
       (as with the last local stage, whose forward sweep is followed by its backward sweep).
     - ``"shard_grad_op"`` (ZeRO-2) and ``"no_shard"``: after the stage's gradients are reduced (or, without
       backward, after its last forward), so the weights are gathered once per step.
 
-    Under breadth-first that gives ``2v − 1`` gathers per rank per step with ``full_shard``, ``v`` with
-    ``shard_grad_op``, and at most ``prefetch + 1`` stages' full weights resident at once with ``full_shard``.
-    A schedule that switches stages at every action (the interleaved zero-bubble ones) asks for a ``keep`` as
-    long as its list, so that ``full_shard`` gathers each stage once per step and releases it after its last
-    action, as torch's lowering does for up to three stages.
+    ``keep=None`` (the default) under ``full_shard`` takes the longest look-ahead that holds no more stages
+    gathered at once than ``keep=prefetch`` does: a stage is released only where the memory it frees is needed
+    at the peak. Under breadth-first with ``prefetch=1`` that holds at most two stages' full weights and
+    gathers ``2v − 2`` times per rank per step (``v`` forward visits and ``v − 2`` more in the backward sweep:
+    the last two local stages stay gathered from their forwards to their backwards), ``v`` for ``v ≤ 2``,
+    where releasing after every visit unless the next one is to the same stage costs ``2v − 1`` for the same
+    peak (depth-first at p=4, v=4, m=16: 25 gathers against 75); ``shard_grad_op``
+    gathers ``v`` times. A schedule that switches stages at every action (the interleaved zero-bubble ones)
+    asks for a ``keep`` as long as its list, so that ``full_shard`` gathers each stage once per step and
+    releases it after its last action, as torch's lowering does for up to three stages.
 
     ``reduce_every_visit`` (weight passing): the gradients are reduced to their owner after *every* backward
     visit that computed some, whatever ``reduce_grads``: a rank holds no gradients of chunks it does not own
@@ -244,10 +249,48 @@ def add_sharding_actions(
     for name, value in (("prefetch", prefetch), ("keep", prefetch if keep is None else keep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int (visits looked ahead), got {value!r}")
-    keep = max(prefetch, prefetch if keep is None else keep)
     visits = _visits(actions)
-    has_backward = any(a.kind in BACKWARD_KINDS for a in actions)
+
+    def lower(look_ahead: int) -> list[Action]:
+        return _lower_visits(visits, sharding, num_microbatches, prefetch, max(prefetch, look_ahead),
+                             reduce_grads=reduce_grads, reduce_every_visit=reduce_every_visit)  # fmt: skip
+
+    if keep is not None or sharding != "full_shard":
+        return lower(prefetch if keep is None else keep)
+    # the longest look-ahead whose list holds no more stages gathered at once than `prefetch` alone does: the
+    # residency only grows with the look-ahead (a longer one releases a subset), so bisect on it
+    lowest = lower(prefetch)
+    peak = max_resident_stages(lowest)
+    best, lo, hi = lowest, prefetch + 1, len(visits)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = lower(mid)
+        if max_resident_stages(candidate) <= peak:
+            best, lo = candidate, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _lower_visits(
+    visits: list[tuple[int, Kind, list[Action]]],
+    sharding: str,
+    num_microbatches: int,
+    prefetch: int,
+    keep: int,
+    *,
+    reduce_grads: bool,
+    reduce_every_visit: bool,
+) -> list[Action]:
+    """:func:`add_sharding_actions` for one look-ahead ``keep``."""
+    has_backward = any(kind is B for _, kind, _ in visits)
     last_forward_visit = {v_stage: i for i, (v_stage, kind, _) in enumerate(visits) if kind is F}
+    next_visit: dict[int, int] = {}  # visit index -> the index of the next visit to the same stage, if any
+    following: dict[int, int] = {}
+    for i in reversed(range(len(visits))):
+        if visits[i][0] in following:
+            next_visit[i] = following[visits[i][0]]
+        following[visits[i][0]] = i
     backward_count: Counter[int] = Counter()
     out: list[Action] = []
     active: list[int] = []
@@ -280,8 +323,8 @@ def add_sharding_actions(
                 finished = True
         elif not has_backward and last_forward_visit[stage] == i:
             finished = True
-        if any(upcoming == stage for upcoming, _, _ in visits[i + 1 : i + 1 + keep]):
-            continue  # needed again soon: keep it rather than gather it again
+        if i in next_visit and next_visit[i] - i <= keep:
+            continue  # needed again within `keep` visits: keep it rather than gather it again
         if sharding == "full_shard" or finished:
             reshard(stage)
     for stage in list(active):

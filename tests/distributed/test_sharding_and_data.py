@@ -1,6 +1,6 @@
 """What each rank holds, gathers, reduces and reads: the breadth-first + FSDP claims, measured.
 
-Instrumented runs on 4 CPU processes, (p, dp, v) = (2, 2, 2): torch's FSDP2 all-gather and gradient
+Instrumented runs on 4 CPU processes, (p, dp, v) = (2, 2, 3): torch's FSDP2 all-gather and gradient
 reduction entry points and the pipeline stages' forward/backward calls are logged per rank, in order.
 """
 
@@ -18,10 +18,13 @@ from tests.models import RunSpec, reference_run
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
+V = 3  # local stages per rank: a first, a middle and a last one, so every kind of sweep is visible
+
+
 def run(name: str, sharding: str, m: int = 4, checks: tuple[str, ...] = ()) -> RunSpec:
     return RunSpec(
         name=name,
-        strategy={"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": m, "sharding": sharding},
+        strategy={"pipeline_parallel_size": 2, "stages_per_rank": V, "num_microbatches": m, "sharding": sharding},
         data={"batch_format": "dict"},
         model={"optimizer": "sgd"},
         local_batch_size=2 * m,
@@ -38,11 +41,13 @@ RUNS = [
     run("replicated", "no_shard"),
     # materialized on each rank by the layers' own `reset_parameters()`: the run saves what it started from
     run("meta_init", "full_shard", checks=("empty_init", "save_initial_params")),
-    # layers that sleep 20 ms per micro-batch and hold 2 MB of weights each: compute long enough to time gathers
+    # layers that sleep 20 ms per micro-batch and hold 2 MB of weights each, two per stage: compute long enough
+    # to time gathers
     RunSpec(
         name="prefetch_timing",
         model_factory="tests.probe_models:sleeping_net",
-        strategy={"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4, "sharding": "full_shard"},
+        model={"num_layers": 4 * V},
+        strategy={"pipeline_parallel_size": 2, "stages_per_rank": V, "num_microbatches": 4, "sharding": "full_shard"},
         local_batch_size=4,
         data_parallel_size=2,
         trainer={"max_steps": 3},
@@ -61,23 +66,29 @@ def step_events(rank_result, step):
     return [(kind, stage, mb) for s, kind, stage, mb in rank_result["events"] if s == step]
 
 
-EXPECTED_GATHERS = {"full_m4": (2, 1), "full_m8": (2, 1), "zero2": (1, 1), "replicated": (0, 0)}
+def local_stages(rank_result) -> list[int]:
+    """The rank's stages in visit order of the forward sweep: first, middle, last."""
+    return [rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(V)]
+
+
+# per local stage (first, middle, last): full_shard releases the first stage after its forwards, because holding
+# it would raise the peak to three gathered stages; the middle and last stay gathered from forward to backward
+EXPECTED_GATHERS = {"full_m4": (2, 1, 1), "full_m8": (2, 1, 1), "zero2": (1, 1, 1), "replicated": (0, 0, 0)}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_GATHERS))
 def test_gathers_once_per_sweep_and_reduces_once_per_step(name, results):
     _, res = results
-    first_stage_gathers, last_stage_gathers = EXPECTED_GATHERS[name]
     m = 8 if name == "full_m8" else 4
     for rank_result in res[name].ranks:
-        local = [rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2)]
+        local = local_stages(rank_result)
         for step in (2, 3):  # step 1 also infers the stages' shapes
             events = step_events(rank_result, step)
             gathers = Counter(stage for kind, stage, _ in events if kind == "gather")
             reduces = Counter(stage for kind, stage, _ in events if kind == "reduce")
             forwards = Counter(stage for kind, stage, _ in events if kind == "forward")
             # independent of the number of micro-batches: once per sweep, not once per micro-batch
-            expected = zip(local, (first_stage_gathers, last_stage_gathers), strict=True)
+            expected = zip(local, EXPECTED_GATHERS[name], strict=True)
             assert gathers == Counter({stage: n for stage, n in expected if n})
             assert reduces == Counter(dict.fromkeys(local, 1))
             assert forwards == Counter(dict.fromkeys(local, m))
@@ -87,16 +98,17 @@ def test_gathers_once_per_sweep_and_reduces_once_per_step(name, results):
 def test_next_stage_is_prefetched_and_reductions_are_issued_before_remaining_backward(name, results):
     _, res = results
     for rank_result in res[name].ranks:
-        first, last = (rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2))
+        first, middle, last = local_stages(rank_result)
         events = step_events(rank_result, 3)
 
         def index(kind, stage, nth=0, events=events):
             return [i for i, e in enumerate(events) if e[0] == kind and e[1] == stage][nth]
 
-        # the last local stage's gather is issued before the first local stage computes its first micro-batch
-        assert index("gather", last) < index("forward", first)
-        # the first stage's weights for the backward sweep are gathered before the last stage's backward starts
-        assert index("gather", first, 1) < index("backward", last)
+        # the next local stage's gather is issued before the current one computes its first micro-batch
+        assert index("gather", middle) < index("forward", first)
+        assert index("gather", last) < index("forward", middle)
+        # the first stage's weights for the backward sweep are gathered before the middle stage's backward starts
+        assert index("gather", first, 1) < index("backward", middle)
         # the last stage's gradients are reduced as soon as its sweep ends, before the first stage's backward
         assert index("backward", last, -1) < index("reduce", last) < index("backward", first)
 
@@ -105,14 +117,15 @@ def test_prefetched_gathers_complete_while_the_previous_stage_computes(results):
     """Prefetch measured by completion time, not issue order: the weights of the next visit's stage arrive while
     the current visit computes, so that stage never waits for them.
 
-    The forward sweep's second stage is gathered during the first stage's forwards, and the backward sweep's
-    second stage during the first one's backwards; each gather is issued before and completes before the end of
-    that compute (the worker times the issue, the completion of torch's asynchronous all-gather work, and each
-    stage's compute). Without prefetch a gather is issued when its stage's visit starts, after that end.
+    The forward sweep's next stage is gathered during the current stage's forwards, and the first stage, released
+    after its forwards, is gathered again during the middle stage's backwards; each gather is issued before and
+    completes before the end of that compute (the worker times the issue, the completion of torch's asynchronous
+    all-gather work, and each stage's compute). Without prefetch a gather is issued when its stage's visit starts,
+    after that end.
     """
     _, res = results
     for rank_result in res["prefetch_timing"].ranks:
-        first, last = (rank_result["holdings"]["pipeline_rank"] + 2 * k for k in range(2))
+        first, middle, last = local_stages(rank_result)
         for step in (2, 3):  # step 1 also infers the stages' shapes
             timed = [e for e in rank_result["timed"] if e[0] == step]
 
@@ -121,8 +134,9 @@ def test_prefetched_gathers_complete_while_the_previous_stage_computes(results):
 
             sweeps = [
                 # (stage gathered, the stage computing meanwhile, which compute, which gather of the stage)
-                (last, first, "forward", 0),
-                (first, last, "backward", 1),
+                (middle, first, "forward", 0),
+                (last, middle, "forward", 0),
+                (first, middle, "backward", 1),
             ]
             for gathered, computing, kind, nth in sweeps:
                 issued, done = times("gather_issued", gathered)[nth], times("gather_done", gathered)[nth]

@@ -63,13 +63,13 @@ def test_activation_memory_breadth_first_holds_every_microbatch_1f1b_at_most_p()
 def test_full_shard_traffic_and_memory():
     big = model(param_bytes=1000, saved=0)
     cluster = Cluster(4, 4, 2**40, 1e18, 1e18, latency_s=0.0)
-    bf = simulate(Plan("breadth_first", 2, 2, 2, 8, 1), big, cluster)
-    df = simulate(Plan("depth_first", 2, 2, 2, 8, 1), big, cluster)
-    stage_bytes = 1000 * 16 // 4
-    # breadth-first: 2v−1 gathers and v reductions of a stage, each moving half its bytes (dp=2)
-    assert bf.comm_bytes >= (3 + 2) * stage_bytes // 2
+    bf = simulate(Plan("breadth_first", 2, 2, 4, 8, 1), big, cluster)
+    df = simulate(Plan("depth_first", 2, 2, 4, 8, 1), big, cluster)
+    stage_bytes = 1000 * 16 // 8
+    # breadth-first: 2v−2 gathers and v reductions of a stage, each moving half its bytes (dp=2)
+    assert bf.comm_bytes >= (6 + 4) * stage_bytes // 2
     assert df.comm_bytes > 2 * bf.comm_bytes  # a gather per visit
-    held = 2 * stage_bytes // 2  # two local stages, sharded in two
+    held = 4 * stage_bytes // 2  # four local stages, sharded in two
     assert bf.peak_memory >= 2 * held  # weights and gradients (optimizer state ratio 0 here)
 
 

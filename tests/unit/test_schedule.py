@@ -75,12 +75,30 @@ def test_forward_only_has_no_backward_and_validates_as_such():
 
 
 def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
-    lowered = add_sharding_actions(breadth_first(2, 2, 4)[0], "full_shard", 4)
+    lowered = add_sharding_actions(breadth_first(2, 3, 2)[0], "full_shard", 2)
     assert strings(lowered) == [
         "0UNSHARD", "2UNSHARD",  # stage 2's gather is issued before stage 0 computes: prefetch
-        "0F0", "0F1", "0F2", "0F3", "0RESHARD",
-        "2F0", "2F1", "2F2", "2F3",  # last local stage: kept from its forward sweep to its backward sweep
+        "0F0", "0F1", "0RESHARD", "4UNSHARD",
+        "2F0", "2F1",  # kept to its backward sweep: with stage 4 that is the two stages the prefetch holds anyway
+        "4F0", "4F1",  # last local stage: kept from its forward sweep to its backward sweep
+        "4B0", "4B1", "4REDUCE_GRAD", "4RESHARD",
         "0UNSHARD",  # prefetch stage 0 for its backward sweep
+        "2B0", "2B1", "2REDUCE_GRAD", "2RESHARD",
+        "0B0", "0B1", "0REDUCE_GRAD", "0RESHARD",
+    ]  # fmt: skip
+    # releasing after every visit but the turn's holds no fewer stages at once and gathers stage 2 twice
+    released = add_sharding_actions(breadth_first(2, 3, 2)[0], "full_shard", 2, keep=1)
+    assert max_resident_stages(released) == max_resident_stages(lowered) == 2
+    assert (count(released, UNSHARD), count(lowered, UNSHARD)) == (5, 4)
+    assert strings(released)[strings(released).index("4F1") + 1] == "2UNSHARD"
+
+
+def test_full_shard_keeps_every_stage_gathered_where_the_prefetch_holds_them_all():
+    """v = 2 with ``prefetch=1``: both local stages are resident during the first forward anyway, so each is
+    gathered once per step (as ``shard_grad_op`` would), not the first twice."""
+    lowered = add_sharding_actions(breadth_first(2, 2, 4)[0], "full_shard", 4)
+    assert strings(lowered) == [
+        "0UNSHARD", "2UNSHARD", "0F0", "0F1", "0F2", "0F3", "2F0", "2F1", "2F2", "2F3",
         "2B0", "2B1", "2B2", "2B3", "2REDUCE_GRAD", "2RESHARD",
         "0B0", "0B1", "0B2", "0B3", "0REDUCE_GRAD", "0RESHARD",
     ]  # fmt: skip
@@ -90,12 +108,14 @@ def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
 def test_prefetch_bounds_the_stages_held_at_once(prefetch):
     for rank, actions in breadth_first(2, 4, 4).items():
         lowered = add_sharding_actions(actions, "full_shard", 4, prefetch=prefetch)
-        assert max_resident_stages(lowered) <= prefetch + 1
-        # 2v − 1 gathers per step (2v without look-ahead, where even the last local stage is released between
-        # its sweeps); a look-ahead that reaches a stage's next visit keeps it instead of gathering it again
-        assert count(lowered, UNSHARD) == {0: 8, 1: 7, 2: 7, 3: 6}[prefetch]
-        if prefetch in (1, 2):
-            assert max_resident_stages(lowered) == prefetch + 1
+        assert max_resident_stages(lowered) == prefetch + 1
+        # 2v − (prefetch + 1) gathers per step: the last `prefetch + 1` local stages stay gathered from their
+        # forwards to their backwards, within the residency the prefetch already needs
+        assert count(lowered, UNSHARD) == {0: 7, 1: 6, 2: 5, 3: 4}[prefetch]
+        # releasing after every visit unless the next `prefetch` visits need the stage: more gathers, same peak
+        released = add_sharding_actions(actions, "full_shard", 4, prefetch=prefetch, keep=prefetch)
+        assert count(released, UNSHARD) == {0: 8, 1: 7, 2: 7, 3: 6}[prefetch]
+        assert max_resident_stages(released) == max_resident_stages(lowered)
         if prefetch == 0:  # every gather is issued right before its own stage computes
             for action, after in itertools.pairwise(lowered):
                 if action.kind is UNSHARD:
@@ -179,9 +199,29 @@ def test_lowering_is_consistent_for_any_sizes(pvm, sharding):
                 used_since_unshard.add(a.stage)
         assert not resident
         gathers = count(actions, UNSHARD)
-        assert gathers == (2 * v - 1 if sharding == "full_shard" else v)
+        assert gathers == (max(2 * v - 2, v) if sharding == "full_shard" else v)
         assert count(actions, REDUCE_GRAD) == v
         assert max_resident_stages(actions) <= (min(v, 2) if sharding == "full_shard" else v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes, st.integers(0, 2), st.sampled_from(["breadth_first", "depth_first", "breadth_first_zb", "gpipe"]))
+def test_full_shard_keeps_a_stage_only_where_the_peak_does_not_grow(pvm, prefetch, name):
+    """The default look-ahead holds no more stages at once than releasing after every visit it does not reach
+    (``keep=prefetch``), and of all look-aheads that hold no more it gathers the fewest times."""
+    p, v, m = pvm
+    if name == "gpipe":
+        v = 1
+    if name == "depth_first":  # whole groups of p micro-batches, as depth-first asks
+        m = p * -(-m // p)
+    for actions in generate(name, p, v, m).values():
+        lowered = add_sharding_actions(actions, "full_shard", m, prefetch=prefetch)
+        by_keep = [add_sharding_actions(actions, "full_shard", m, prefetch=prefetch, keep=k)
+                   for k in range(prefetch, len(actions) + 1)]  # fmt: skip
+        peak = max_resident_stages(by_keep[0])
+        assert max_resident_stages(lowered) == peak <= prefetch + 1
+        fewest = min(count(other, UNSHARD) for other in by_keep if max_resident_stages(other) <= peak)
+        assert count(lowered, UNSHARD) == fewest <= count(by_keep[0], UNSHARD)
 
 
 def test_lowering_rejects_non_compute_input():
@@ -279,13 +319,16 @@ def test_every_schedule_is_valid_for_any_sizes(p, v, m, data):
 
 
 def test_depth_first_gathers_more_than_breadth_first_under_full_shard():
-    p, v, m = 4, 2, 16
+    p, v, m = 4, 4, 16
     gathers = {
         name: count(lower(generate(name, p, v, m), "full_shard", m)[0], UNSHARD)
         for name in ("breadth_first", "depth_first")
     }
-    assert gathers["breadth_first"] == 2 * v - 1
-    assert gathers["depth_first"] >= 4 * gathers["breadth_first"]  # about 2m/N per stage
+    assert gathers["breadth_first"] == 2 * v - 2
+    assert gathers["depth_first"] >= 4 * gathers["breadth_first"]  # about m/N per stage and direction
+    # with two stages per rank the prefetch holds both anyway: each is gathered once per step, in either order
+    for name in ("breadth_first", "depth_first"):
+        assert count(lower(generate(name, p, 2, m), "full_shard", m)[0], UNSHARD) == 2
 
 
 def test_a_schedule_inside_an_accumulation_window_has_no_reductions_but_the_same_gathers():

@@ -80,6 +80,14 @@ def test_golden_p2_v2_m4():
         "0W1", "0I3", "0W2", "0W3", "2W0", "2W1", "2W2", "2W3",
     ]  # fmt: skip
     assert strings(lower(schedule, "full_shard", 4)[0]) == [
+        "0UNSHARD", "2UNSHARD", "0F0", "0F1", "0F2", "0F3",  # both stages fit the prefetch's residency: kept
+        "2F0", "2F1", "2F2", "2F3",
+        "2I0", "2I1", "2I2", "2I3",
+        "0I0", "0W0", "0I1", "0I2", "0W1", "0I3", "0W2", "0W3", "0REDUCE_GRAD", "0RESHARD",
+        "2W0", "2W1", "2W2", "2W3", "2REDUCE_GRAD", "2RESHARD",
+    ]  # fmt: skip
+    # releasing after every visit the look-ahead does not reach: the same two stages at most, four gathers
+    assert strings(lower(schedule, "full_shard", 4, keep=1)[0]) == [
         "0UNSHARD", "2UNSHARD", "0F0", "0F1", "0F2", "0F3", "0RESHARD",
         "2F0", "2F1", "2F2", "2F3",
         "0UNSHARD", "2I0", "2I1", "2I2", "2I3", "2RESHARD",
@@ -146,17 +154,24 @@ def test_lowering_gathers_for_every_compute_and_reduces_after_the_last_w(p, v, m
             if sharding != "full_shard":
                 assert gathers == v  # once per step, as breadth-first
             elif prefetch >= 1:
-                # one more gather than breadth-first for each stage whose W's run after a later stage's visit
-                assert gathers <= 3 * v - 2
+                released = add_sharding_actions(schedule[rank], sharding, m, prefetch=prefetch, keep=prefetch)
+                # releasing after every visit the look-ahead does not reach: one more gather than breadth-first
+                # for each stage whose W's run after a later stage's visit
+                assert count(released, UNSHARD) <= 3 * v - 2
                 if m >= p and prefetch == 1:  # a longer look-ahead keeps some stages between their I's and W's
-                    assert gathers == 3 * v - 2
-                assert max_resident_stages(actions) <= prefetch + 1
+                    assert count(released, UNSHARD) == 3 * v - 2
+                    # kept where the prefetch's residency allows: the last two local stages, from their first
+                    # visit to their last
+                    assert gathers == max(3 * v - 4, v)
+                assert gathers <= count(released, UNSHARD)
+                assert max_resident_stages(actions) == max_resident_stages(released) <= prefetch + 1
     breadth = lower(breadth_first(p, v, m), "full_shard", m)
-    assert count(breadth[0], UNSHARD) == 2 * v - 1
+    assert count(breadth[0], UNSHARD) == max(2 * v - 2, v)
 
 
 def test_weight_passing_lowering_reduces_only_after_visits_with_weight_gradients():
-    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "full_shard", 2, reduce_every_visit=True)
+    # as schedule='weight_passing' lowers its lists: a chunk fetched for each visit (look-ahead: the prefetch)
+    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "full_shard", 2, keep=1, reduce_every_visit=True)
     assert strings(lowered) == [
         "0UNSHARD", "1UNSHARD", "0F0", "0F1", "0RESHARD", "1F0", "1F1",
         "0UNSHARD", "1I0", "1I1", "1RESHARD",  # input gradients only: nothing to reduce yet

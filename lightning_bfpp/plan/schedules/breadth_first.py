@@ -36,10 +36,11 @@ def breadth_first_zb(pipeline_parallel_size: int, stages_per_rank: int, num_micr
     that keeps the sweeps can reach; the ``W``'s fill the cool-down. With ``m < p`` they also fill the waits
     between input-gradient sweeps.
 
-    Gathers per rank per step under ``full_shard`` with ``prefetch=1``: at most ``3v − 2`` against
-    breadth-first's ``2v − 1``, exactly that when ``m ≥ p``: ``v`` forward visits, ``v − 1`` further
-    input-gradient visits, and one more for each local stage but the first, whose input-gradient sweep is the
-    last and whose ``W``'s join it (a longer look-ahead keeps some stages from their ``I``'s to their ``W``'s).
+    Gathers per rank per step under ``full_shard`` with ``prefetch=1``: ``max(3v − 4, v)`` against
+    breadth-first's ``max(2v − 2, v)`` when ``m ≥ p`` (at most that below): ``v`` forward visits, ``v − 2``
+    input-gradient visits (the last two local stages stay gathered from their forwards) and ``v − 2``
+    weight-gradient visits (the first local stage's ``W``'s join its input-gradient visit, and the second stays
+    gathered from its ``I``'s to its ``W``'s, which follow next).
     ``shard_grad_op`` and ``no_shard`` still gather each stage once. Each stage's ``REDUCE_GRAD`` follows its
     last ``W``; a micro-batch's activations are held until its ``W``, not its ``I``.
     """

@@ -303,11 +303,12 @@ class WeightPassing(ScheduleKind):
         return weight_passing(v, m)
 
     def lower_rank(self, actions: list[Action], plan: Plan, *, reduce_grads: bool, sharding: str) -> list[Action]:
-        # a chunk's weights are fetched for a visit and freed after it; its gradient goes to its owner after every
+        # a chunk's weights are fetched for a visit and freed after it (the look-ahead no longer than the
+        # prefetch: TawPipe's cost model fetches once per visit); its gradient goes to its owner after every
         # backward visit, so a rank holds no gradients of chunks it does not own beyond one visit's
         return add_sharding_actions(
             actions, "full_shard", plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=reduce_grads,
-            reduce_every_visit=True,
+            keep=plan.prefetch_stages, reduce_every_visit=True,
         )  # fmt: skip
 
     def check_config(self, config: PipelineConfig) -> None:

@@ -11,10 +11,10 @@ rather than taken from torch's classes because those build only over live ``Pipe
 lower sharding with their own three-stage window; here they are data, validated, lowered, simulated and run
 like every other kind.
 
-Under sharded data parallelism both switch stages at nearly every action, so a stage released after each
-visit would be gathered again at the next: their lowering keeps each local stage gathered from its first
-visit to its last (``keep``: the whole list), so ``full_shard`` gathers each stage once per step (``v`` gathers
-per rank, against breadth-first's ``2v − 1``) and holds all ``v`` of a rank's stages' weights from its first
+Under sharded data parallelism both switch stages at nearly every action, so a stage released after each visit
+would be gathered again at the next: their lowering keeps each local stage gathered from its first visit to its
+last (``keep``: the whole list), so ``full_shard`` gathers each stage once per step (``v`` gathers per rank, as
+breadth-first for ``v ≤ 2``; ``2v − 2`` above) and holds all ``v`` of a rank's stages' weights from its first
 backward on (breadth-first: at most ``prefetch_stages + 1``); each stage's ``REDUCE_GRAD`` follows its last
 ``W``, and its ``RESHARD`` the reduction. ``shard_grad_op`` and ``no_shard`` gather each stage once, as always.
 """
