@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,7 +40,7 @@ from lightning_bfpp.engine.microbatch import (
     microbatch_count,
     split_microbatches,
 )
-from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
+from lightning_bfpp.engine.random_state import derive_seed, forked_random_states
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, tensor_parallel_mesh
 from lightning_bfpp.engine.tied import TiedParameters
 from lightning_bfpp.engine.trace import StepTracer
@@ -292,8 +292,9 @@ class Pipeline:
             ]
             if self.holds_first_stage:
                 captured = []
-                for i, mb in enumerate(prepared.microbatches):
-                    with self.user_code(prepared.seeds[i]):
+                with self.user_code() as reseed:  # one fork for the loop: nothing else draws in between
+                    for seed, mb in zip(prepared.seeds, prepared.microbatches, strict=True):
+                        reseed(seed)
                         captured.append(self.step_code.capture(step_name, mb, step_args))
                 prepared.inputs = ([args for args, _ in captured], [kwargs for _, kwargs in captured])
         except Exception as error:
@@ -423,14 +424,15 @@ class Pipeline:
         self.executor.prefetch_first(self.stage_modules)
 
     @contextmanager
-    def user_code(self, seed: int) -> Iterator[None]:
-        """Where the user's step code runs: forked random state, collectives refused."""
+    def user_code(self) -> Iterator[Callable[[int], None]]:
+        """Where the user's step code runs: forked random state, collectives refused. Yields ``reseed(seed)``,
+        to call before each micro-batch's run (see :func:`forked_random_states`)."""
         with ExitStack() as stack:
-            stack.enter_context(forked_random_state(seed, self.device))
+            reseed = stack.enter_context(forked_random_states(self.device))
             stack.enter_context(self.step_code.running())
             self.running_user_code = True
             stack.callback(setattr, self, "running_user_code", False)
-            yield
+            yield reseed
 
     def _loss_fn(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
         assert self._schedule_in_use is not None
@@ -444,7 +446,8 @@ class Pipeline:
             return _placeholder_loss(output)  # the step already failed here; finish the schedule, then raise
         i = int(microbatch_index)
         try:
-            with self.user_code(active.seeds[i]):
+            with self.user_code() as reseed:
+                reseed(active.seeds[i])
                 step_output = self.step_code.finish(
                     active.step_name, active.microbatches[i], active.step_args, output, active.result.recorder
                 )

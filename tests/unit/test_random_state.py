@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from lightning_bfpp.engine.random_state import derive_seed, forked_random_state
+from lightning_bfpp.engine.random_state import derive_seed, forked_random_state, forked_random_states
 
 CPU = torch.device("cpu")
 
@@ -40,6 +40,36 @@ def test_the_process_streams_are_left_where_they_were():
     with forked_random_state(7, CPU):
         draws()
     got = draws()
+    assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
+
+
+def test_one_fork_for_several_runs_draws_what_a_fork_per_run_draws():
+    """The first stage captures every micro-batch's input under one fork, reseeded per micro-batch: the same
+    draws as one fork per micro-batch, and the process's streams left where they were (a NumPy normal drawn
+    before is cached in pairs: the cached half must survive too)."""
+    seeds = [11, 12, 11]
+    per_run = []
+    for seed in seeds:
+        with forked_random_state(seed, CPU):
+            per_run.append(draws())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    np.random.standard_normal()  # leaves the pair's second half cached
+    expected = draws()
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    np.random.standard_normal()
+    grouped = []
+    with forked_random_states(CPU) as reseed:
+        for seed in seeds:
+            reseed(seed)
+            grouped.append(draws())
+    got = draws()
+    for a, b in zip(per_run, grouped, strict=True):
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    assert torch.equal(per_run[0][0], per_run[2][0]) and not torch.equal(per_run[0][0], per_run[1][0])
     assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
 
 
