@@ -74,9 +74,11 @@ def run_worker(
         )
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_hung(proc.pid)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{_tail(stderr)}") from None
+        raise AssertionError(
+            f"pipelined run timed out after {timeout}s (a hang):\n{_hang_report(stderr, workdir / 'out')}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -127,12 +129,13 @@ class PreImported:
         status = _read_line(server, deadline)
         # the launch ends when its last rank has: those forked from the first may outlive it
         if status is None or not _wait_for_unlock(alive, deadline):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            _kill_hung(pid)
             if status is None:
                 _read_line(server, time.monotonic() + 30)
             stderr = err.read_text(errors="replace") if err.exists() else ""
-            raise AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{_tail(stderr)}")
+            raise AssertionError(
+                f"pipelined run timed out after {timeout}s (a hang):\n{_hang_report(stderr, workdir / 'out')}"
+            )
         stdout, stderr = (f.read_text(errors="replace") for f in (out, err))
         return subprocess.CompletedProcess(cmd, int(status), stdout, stderr)
 
@@ -194,6 +197,36 @@ def load_results(runs: list[RunSpec], devices: int, workdir: Path) -> dict[str, 
         optimizer_state = {k[len("optimizer/") :]: v for k, v in saved.items() if k.startswith("optimizer/")}
         results[run.name] = RunResult(ranks, params, optimizer_state)
     return results
+
+
+# a hung launch's ranks write their threads' stacks on this signal (Lightning takes SIGUSR1 for SLURM's requeue),
+# each to OUT_DIR/<STACKS_PREFIX>node<N>.rank<R>.txt
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+STACKS_PREFIX = "stacks."
+STACK_DUMP_WAIT_S = 3.0
+
+
+def _kill_hung(pgid: int) -> None:
+    """Kill a hung launch's processes, after asking each to write its threads' stacks."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, STACK_DUMP_SIGNAL)
+        time.sleep(STACK_DUMP_WAIT_S)
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _hung(timeout: float, stderr: str | None, workdir: Path) -> AssertionError:
+    report = _hang_report(stderr, workdir / "out")
+    return AssertionError(f"pipelined run timed out after {timeout}s (a hang):\n{report}")
+
+
+def _hang_report(stderr: str | None, out: Path) -> str:
+    """A hung launch's last output lines, then where each rank was when it was stopped."""
+    dumps = [
+        f"--- {path.name[len(STACKS_PREFIX) : -len('.txt')]} ---\n{text}"
+        for path in sorted(out.glob(f"{STACKS_PREFIX}*.txt"))
+        if (text := path.read_text(errors="replace").strip())
+    ]
+    return "\n".join([_tail(stderr), *dumps])
 
 
 def _tail(text: str | bytes | None, lines: int = 60) -> str:

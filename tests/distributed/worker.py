@@ -21,6 +21,7 @@ import tests.lean_imports  # noqa: F401
 import collections
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ import lightning_bfpp  # noqa: F401  (registers "bfpp")
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 from tests import models as test_models
+from tests.distributed.harness import STACK_DUMP_SIGNAL, STACKS_PREFIX
 from tests.models import (
     RunSpec,
     StepRecorder,
@@ -647,10 +649,22 @@ class LocalRanks:
             self._done.wait()
 
 
+def _dump_stacks_on_signal(out: Path) -> Any:
+    """Have this rank write each thread's Python stack to a file of its own on ``STACK_DUMP_SIGNAL``, which the
+    harness sends a hung launch before it kills it (one file per rank: the ranks' dumps to one stderr interleave
+    character by character)."""
+    out.mkdir(parents=True, exist_ok=True)
+    node, local = os.environ.get("NODE_RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+    file = (out / f"{STACKS_PREFIX}node{node}.rank{local}.txt").open("w")
+    faulthandler.register(STACK_DUMP_SIGNAL, file=file, all_threads=True)
+    return file
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     ranks = LocalRanks(spec["devices"])
+    stacks = _dump_stacks_on_signal(out)  # noqa: F841  (kept open for the handler)
     # whole lines per write: ranks forked together raise together, and PYTHONUNBUFFERED's writes of a traceback's
     # pieces from two ranks interleaved inside lines
     for stream in (sys.stdout, sys.stderr):
