@@ -24,8 +24,9 @@ HANGING = textwrap.dedent(
     os.environ["LOCAL_RANK"] = str(rank)
     stacks = _dump_stacks_on_signal(Path(sys.argv[1]))
     def waiting_in_rank(rank):
+        # ready from inside the frame the dump must show: a signal that lands while print returns still finds it
+        print("ready", rank, flush=True)
         time.sleep(60)
-    print("ready", rank, flush=True)
     waiting_in_rank(rank)
     """
 )
