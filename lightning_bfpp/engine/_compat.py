@@ -160,7 +160,18 @@ class PipelineRuntime(PipelineScheduleRuntime):
         placeholder data. An override point; does nothing here."""
         yield
 
+    @property
+    def needs_metadata_inference(self) -> bool:
+        """Whether torch's next stage initialization infers shapes: on the first run, and after a switch between
+        training and forward-only runs (torch's own test in ``_initialize_pp_stages``)."""
+        return not self._stages_forward_initialized or self._has_backward != self._stages_backward_initialized
+
     def _initialize_stages(self, *args: Any, **kwargs: Any) -> None:
+        # torch calls this before every step and returns at once when the stages are initialized; the wrapper
+        # runs only when it infers, since entering it costs (stand-in weights for every sharded stage)
+        if not self.needs_metadata_inference:
+            super()._initialize_stages(*args, **kwargs)
+            return
         with self.metadata_inference():
             super()._initialize_stages(*args, **kwargs)
 

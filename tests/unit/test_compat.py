@@ -7,6 +7,7 @@ module of the package off those private names.
 """
 
 import ast
+import contextlib
 from pathlib import Path
 
 import lightning as L
@@ -166,7 +167,10 @@ def test_torch_runtime_reads_what_planned_schedule_writes(one_process):
     for module in rec.modules:
         for param in module.parameters():
             param.grad = torch.ones_like(param)  # as if an earlier step of an accumulation window had run
+    inferences = _count_inferences(schedule)
+    assert schedule.needs_metadata_inference
     rec.run()
+    assert inferences == [1] and not schedule.needs_metadata_inference
     assert rec.executed == order.split()  # pipeline_order_with_comms is what torch executes
     assert rec.loss_calls[0] is True and rec.loss_calls[1:] == [False, False]  # our hook saw torch's inference
     for module in rec.modules:
@@ -175,6 +179,7 @@ def test_torch_runtime_reads_what_planned_schedule_writes(one_process):
     rec.executed.clear()
     rec.run()
     assert rec.executed == order.split()
+    assert inferences == [1]  # a later step enters no shape inference (its stand-in weights cost every step)
 
     # a forward-only plan: torch's validator would refuse it; no backward runs, and none is prepared
     rec.executed.clear()
@@ -186,6 +191,21 @@ def test_torch_runtime_reads_what_planned_schedule_writes(one_process):
     # with _has_backward left True, torch would run the loss on placeholder data to prepare a backward
     assert rec.loss_calls == [False, False]
     assert all(not stage.has_backward for stage in schedule.stages) and not schedule.runs_backward
+
+
+def _count_inferences(schedule: PlannedSchedule) -> list[int]:
+    """How often ``schedule`` enters its shape inference from now on (a one-element counter)."""
+    count = [0]
+    original = schedule.metadata_inference
+
+    @contextlib.contextmanager
+    def counted():
+        count[0] += 1
+        with original():
+            yield
+
+    schedule.metadata_inference = counted  # type: ignore[method-assign]
+    return count
 
 
 def test_plan_placement_must_match_torchs(one_process):
