@@ -136,7 +136,8 @@ def calibrated(processes: int, given: str | None) -> str:
     path = OUT / f"cluster{processes}.json"
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+        # its processes reuse freed memory as the jobs' do (launch.keep_freed_memory)
+        env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"} | launch.CACHING_MALLOC_ENV
         cmd = [
             sys.executable,
             "-m",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -137,6 +139,11 @@ def _vocab_parallel_worker(rank: int, store_path: str, out_path: str) -> None:
             torch.save(result, out_path)
     finally:
         dist.destroy_process_group()
+    # done: leave without the interpreter's finalization, where a native thread still joinable at exit aborted
+    # one run in four with "terminate called without an active exception" after every check had passed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.timeout(120)
