@@ -22,6 +22,9 @@ dp=2 (3.8 MiB per layer, so that gathers matter). At each point, one after the o
   one, an overlap of consecutive steps that a loop which logs or clips does not have: at p=2 m=4 with ZB-V it
   hid 5% of the step.)
 
+Every job's processes reuse the memory they free, as an accelerator's caching allocator does
+(:func:`benchmarks.suite.launch.keep_freed_memory`), and the calibration runs with the same settings.
+
 Writes ``runs/fastest/results.json`` and prints the table (``docs/planner.md`` holds a run's), with the bound: the
 fastest of every order considered (bfpp's kinds, which include torch's orders) with free communication and no host
 cost, from the simulator on the layers' nominal times.

@@ -16,7 +16,9 @@
   schedule actions per rank, three times each, alternating. What the two layouts' median step times have
   beyond the simulated ones gives the host cost per schedule action and per step (Python, the step's
   collective, Lightning's loop), which grow with the process count and are what the simulation would
-  otherwise miss on small layers. The layers are long
+  otherwise miss on small layers. Two more layouts price what those two leave out: a tensor group's all-reduce
+  as a step pays it, and the extra cost of an action on a stage with data-parallel replicas (FSDP2's hooks and
+  copies; two ``full_shard`` replicas of layers with 1 MiB of weights). The layers are long
   enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
   layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
   for the cores (180 ms per step instead of about 10).
@@ -59,6 +61,10 @@ from lightning_bfpp.plan.simulate import simulate
 # the runtime calibration's model: sleeping layers, long enough that the processes' host work does not saturate
 # a few shared cores (the host waits on the device, as on accelerators), short enough for a quick run
 RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param_numel=16_384, activation_numel=4096)
+
+# the data-parallel layout's model: the same layers with 1 MiB of weights each, so that FSDP2's hooks and copies run
+# on real shards while the gathers and reductions (priced by the links measured first) stay a small part of a step
+DATA_PARALLEL_RUNTIME_MODEL = replace(RUNTIME_MODEL, param_numel=1 << 18)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 # a tensor-parallel all-reduce of one small activation: its fixed cost is what matters
@@ -241,6 +247,15 @@ def tensor_runtime_config(devices: int) -> Plan | None:
     return replace(few, pipeline_parallel_size=devices // 2, tensor_parallel_size=2)
 
 
+def data_parallel_runtime_config(devices: int) -> Plan | None:
+    """A layout of :data:`DATA_PARALLEL_RUNTIME_MODEL` over all ``devices`` with two ``full_shard`` replicas of
+    pipelines of ``devices / 2``; None below 4 processes or for an odd count (no pipeline beside the replicas)."""
+    if devices < 4 or devices % 2:
+        return None
+    p = devices // 2
+    return Plan("breadth_first", p, 2, 2, 2 * p, 1, sharding="full_shard")
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """One intra-op thread in this process while profiling, as the training processes run (``run_emulated``):
@@ -254,7 +269,12 @@ def one_thread() -> Iterator[None]:
 
 
 def measure_runtime(
-    devices: int, links: Cluster, steps: int = 12, rounds: int = 3, tensor: bool = True
+    devices: int,
+    links: Cluster,
+    steps: int = 12,
+    rounds: int = 3,
+    tensor: bool = True,
+    data_parallel: bool = True,
 ) -> tuple[Cluster, list[dict[str, Any]]]:
     """The runtime's own cost per schedule action and per step at ``devices`` processes, added to ``links``.
 
@@ -273,6 +293,13 @@ def measure_runtime(
     the critical path, is ``tensor_collective_overhead_s``. In a step the two members meet at every layer, so
     each all-reduce also waits for the later of the two; on 2 shared cores that made it about 3 ms against
     the 1.5 ms of back-to-back calls.
+
+    With ``data_parallel`` (and 4 or more processes, an even count) one more layout,
+    :func:`data_parallel_runtime_config`, measures what an action costs on a stage with data-parallel replicas
+    beyond the other layouts' cost per action: FSDP2's hooks and copies in every forward and backward. What its
+    step has beyond the simulated one, per action on the critical path, is ``data_parallel_action_overhead_s``.
+    Left out, the planner took actions on sharded stages for as cheap as unsharded ones, and at p=2 dp=2 on 4
+    processes chose 8 stages per rank where 2 measured 5% faster.
     """
     from lightning_bfpp.measure.emulated import EmulatedNet
     from lightning_bfpp.measure.profile import profile_module
@@ -284,17 +311,22 @@ def measure_runtime(
         profile = profile_module(EmulatedNet(RUNTIME_MODEL), batch, repeats=7)
     profile = replace(profile, optimizer_state_ratio=0.0)
     split = tensor_runtime_config(devices) if tensor else None
-    configs = [*runtime_configs(devices), *([split] if split is not None else [])]
+    replicated = data_parallel_runtime_config(devices) if data_parallel else None
+    layouts = [(config, RUNTIME_MODEL) for config in runtime_configs(devices)]
+    if split is not None:
+        layouts.append((split, RUNTIME_MODEL))
+    if replicated is not None:
+        layouts.append((replicated, DATA_PARALLEL_RUNTIME_MODEL))
     # each round of each layout in a job of its own, the layouts alternating: in one long job at 8 processes on
     # 2 cores the later rounds ran up to a quarter slower than the first, and the fitted cost per action with them
-    runs: list[list[float]] = [[] for _ in configs]
+    runs: list[list[float]] = [[] for _ in layouts]
     for _ in range(rounds):
-        for i, config in enumerate(configs):
-            runs[i].append(run_emulated(config, RUNTIME_MODEL, steps, devices))
+        for i, (config, model) in enumerate(layouts):
+            runs[i].append(run_emulated(config, model, steps, devices))
     rows = [
         {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
          "rounds_s": measured, **cost_weights(config, profile, links)}
-        for config, measured in zip(configs[:2], runs[:2], strict=True)
+        for (config, _), measured in zip(layouts[:2], runs[:2], strict=True)
     ]  # fmt: skip
     per_action, per_step = fit_runtime_costs(rows)
     cluster = replace(links, action_overhead_s=per_action, step_overhead_s=per_step)
@@ -303,6 +335,13 @@ def measure_runtime(
         row = _tensor_cost(split, replace(profile, layers=layers), cluster, statistics.median(runs[2]))
         rows.append({**row, "rounds_s": runs[2]})
         cluster = replace(cluster, tensor_collective_overhead_s=row["tensor_collective_overhead_s"])
+    if replicated is not None:
+        # the same layers' measured times, with this model's weights
+        weights = DATA_PARALLEL_RUNTIME_MODEL.param_bytes
+        layers = tuple(replace(layer, param_bytes=weights) for layer in profile.layers)
+        row = _data_parallel_cost(replicated, replace(profile, layers=layers), cluster, statistics.median(runs[-1]))
+        rows.append({**row, "rounds_s": runs[-1]})
+        cluster = replace(cluster, data_parallel_action_overhead_s=row["data_parallel_action_overhead_s"])
     return cluster, rows
 
 
@@ -318,6 +357,21 @@ def _tensor_cost(
         "measured_s": measured,
         "simulated_s": free,
         "tensor_collective_overhead_s": max((measured - free) / weight, 0.0),
+    }
+
+
+def _data_parallel_cost(
+    config: Plan, profile: ModelProfile, cluster: Cluster, measured: float, probe_s: float = 1e-3
+) -> dict[str, float]:
+    """The host cost per action on a data-parallel stage, beyond ``cluster.action_overhead_s``, that makes the
+    simulated step of ``config`` the measured one."""
+    base_cluster = replace(cluster, data_parallel_action_overhead_s=0.0)
+    base, weight = _sensitivity(config, profile, base_cluster, "data_parallel_action_overhead_s", probe_s)
+    return {
+        "data_parallel_actions": weight,
+        "measured_s": measured,
+        "simulated_s": base,
+        "data_parallel_action_overhead_s": max((measured - base) / weight, 0.0),
     }
 
 

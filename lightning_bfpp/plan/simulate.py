@@ -21,6 +21,8 @@ rank by rank, on the ranks the kind's placement gives each stage, with this mode
   strategy's overlapped reductions do (the default on CUDA);
 - activations and gradients travel point-to-point when produced, one message at a time per direction of
   each link;
+- every action costs the runtime's host time (``Cluster.action_overhead_s``, and under data parallelism
+  ``Cluster.data_parallel_action_overhead_s`` on top: FSDP2's hooks and copies);
 - the step's own host work (``Cluster.step_overhead_s``) precedes the first compute, with the first stage's
   gather running beside it (the runtime issues it before the step's preparation);
 - the step ends when every rank's work and the optimizer update are done.
@@ -158,7 +160,7 @@ def _run(
     input_grad_done: set[tuple[int, int | None]] = set()  # (stage, micro-batch) whose I ran: its W may run
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     first_backward: dict[int, float] = {}
-    overhead = cluster.action_overhead_s
+    overhead = cluster.action_overhead_s + (cluster.data_parallel_action_overhead_s if dp > 1 else 0.0)
 
     placement = config.placement
 

@@ -240,6 +240,60 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)
 
 
+def test_the_runtime_calibration_recovers_the_data_parallel_cost_per_action_from_a_step():
+    """``measure_runtime``'s data-parallel layout: the extra cost per action on a replicated stage that makes the
+    simulated step the measured one (a step simulated with 0.7 ms gives back 0.7 ms), charged by the simulator
+    only where there are replicas."""
+    from lightning_bfpp.measure import calibrate as calibration
+
+    config = calibration.data_parallel_runtime_config(8)
+    assert config is not None and (config.pipeline_parallel_size, config.data_parallel_size) == (4, 2)
+    assert config.sharding == "full_shard"
+    assert calibration.data_parallel_runtime_config(2) is None
+    assert calibration.data_parallel_runtime_config(6) is not None
+    assert calibration.data_parallel_runtime_config(5) is None
+    profile = uniform(16, 5e-3, 10e-3, 1 << 20, 4096, optimizer_state_ratio=0.0)
+    cluster = Cluster(8, 8, 2**40, 1e9, 1e9, latency_s=1e-4, action_overhead_s=1e-3)
+    measured = simulate(config, profile, replace(cluster, data_parallel_action_overhead_s=7e-4)).step_time
+    row = calibration._data_parallel_cost(config, profile, cluster, measured)
+    assert row["data_parallel_action_overhead_s"] == pytest.approx(7e-4, rel=1e-3)
+    v, m = config.stages_per_rank, config.num_microbatches
+    assert row["data_parallel_actions"] >= 2 * m * v  # at least a rank's own forwards and backwards
+    # without replicas nothing changes; with them every action pays it
+    costly = replace(cluster, data_parallel_action_overhead_s=5e-3)
+    alone = Plan("breadth_first", 4, 1, 2, 8, 1)
+    assert simulate(alone, profile, costly).step_time == pytest.approx(simulate(alone, profile, cluster).step_time)
+    assert simulate(config, profile, costly).step_time > simulate(config, profile, cluster).step_time + 2 * m * v * 4e-3
+
+
+def test_the_runtime_calibration_runs_every_layout_in_alternating_rounds(monkeypatch):
+    """At 4 processes all four layouts run, alternating round by round, and the costs fitted from steps simulated
+    with known costs are those costs."""
+    from lightning_bfpp.measure import calibrate as calibration
+
+    truth = dict(action_overhead_s=1.5e-3, step_overhead_s=4e-3, tensor_collective_overhead_s=2e-3,
+                 data_parallel_action_overhead_s=8e-4)  # fmt: skip
+    links = Cluster(4, 4, 2**40, 1e9, 1e9, latency_s=1e-4)
+    profile = uniform(16, 5e-3, 10e-3, calibration.RUNTIME_MODEL.param_bytes, 4096, optimizer_state_ratio=0.0)
+    order: list[str] = []
+
+    def run_emulated(config, model, steps, devices):
+        order.append(config.describe())
+        layers = tuple(replace(layer, param_bytes=model.param_bytes, tensor_parallel_all_reduces=1)
+                       for layer in profile.layers)  # fmt: skip
+        return simulate(config, replace(profile, layers=layers), replace(links, **truth)).step_time
+
+    monkeypatch.setattr(calibration, "run_emulated", run_emulated)
+    monkeypatch.setattr("lightning_bfpp.measure.profile.profile_module", lambda *args, **kwargs: profile)
+    cluster, rows = calibration.measure_runtime(4, links, steps=3, rounds=2)
+    layouts = [*calibration.runtime_configs(4), calibration.tensor_runtime_config(4),
+               calibration.data_parallel_runtime_config(4)]  # fmt: skip
+    assert order == [config.describe() for config in layouts] * 2
+    assert len(rows) == 4
+    for field, value in truth.items():
+        assert getattr(cluster, field) == pytest.approx(value, rel=2e-2), field
+
+
 def test_the_runtime_calibration_recovers_a_tensor_all_reduces_cost_from_a_step():
     """``measure_runtime``'s third layout: the fixed cost per tensor all-reduce that makes the simulated step the
     measured one. A step simulated with 2 ms per all-reduce gives back 2 ms."""
