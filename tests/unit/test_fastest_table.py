@@ -30,3 +30,14 @@ def test_points_cover_both_shardings_and_the_table_marks_misses_and_shard_grad_o
     assert "breadth_first v=2: 850, 1.005 |" in rows["whole_p4_m8_dp2"]  # within 3%: no mark
     assert "at 1 of 2 points" in text
     assert "within 3% at 1 of 1 sharded points" in text
+
+
+def test_the_ratio_by_round_pairs_each_round_and_leaves_unpaired_rounds_blank():
+    steps = {"auto": 400.0, "bfpp_bf": 420.0, "InterleavedZeroBubble_v2": 390.0, "ZBVZeroBubble_v2": 395.0}
+    paired = _result("split_p4_m4_dp2", 2, steps, False)
+    paired["launch_steps_ms"] = {"auto": [400.0, 420.0, 380.0], "InterleavedZeroBubble_v2": [400.0, 390.0, 380.0]}
+    unpaired = _result("split_p4_m8_dp2", 2, steps, False)  # a failed launch: two rounds against three
+    unpaired["launch_steps_ms"] = {"auto": [400.0, 420.0], "InterleavedZeroBubble_v2": [400.0, 390.0, 380.0]}
+    rows = {line.split("|")[1].strip(): line.split("|") for line in table([paired, unpaired]).splitlines()[2:4]}
+    assert rows["split_p4_m4_dp2"][8].strip() == "1.00–1.08"  # 400/400, 420/390, 380/380
+    assert rows["split_p4_m8_dp2"][8].strip() == ""
