@@ -247,13 +247,17 @@ def tensor_runtime_config(devices: int) -> Plan | None:
     return replace(few, pipeline_parallel_size=devices // 2, tensor_parallel_size=2)
 
 
-def data_parallel_runtime_config(devices: int) -> Plan | None:
-    """A layout of :data:`DATA_PARALLEL_RUNTIME_MODEL` over all ``devices`` with two ``full_shard`` replicas of
-    pipelines of ``devices / 2``; None below 4 processes or for an odd count (no pipeline beside the replicas)."""
+def data_parallel_runtime_configs(devices: int) -> tuple[Plan, Plan] | None:
+    """Two layouts of :data:`DATA_PARALLEL_RUNTIME_MODEL` over all ``devices``, two ``full_shard`` replicas of
+    pipelines of ``devices / 2``, that differ only in actions per rank (4× in the second, as
+    :func:`runtime_configs`); None below 4 processes or for an odd count (no pipeline beside the replicas)."""
     if devices < 4 or devices % 2:
         return None
     p = devices // 2
-    return Plan("breadth_first", p, 2, 2, 2 * p, 1, sharding="full_shard")
+    return (
+        Plan("breadth_first", p, 2, 2, 2 * p, 1, sharding="full_shard"),
+        Plan("breadth_first", p, 2, 2, 8 * p, 1, sharding="full_shard"),
+    )
 
 
 @contextmanager
@@ -294,12 +298,17 @@ def measure_runtime(
     each all-reduce also waits for the later of the two; on 2 shared cores that made it about 3 ms against
     the 1.5 ms of back-to-back calls.
 
-    With ``data_parallel`` (and 4 or more processes, an even count) one more layout,
-    :func:`data_parallel_runtime_config`, measures what an action costs on a stage with data-parallel replicas
-    beyond the other layouts' cost per action: FSDP2's hooks and copies in every forward and backward. What its
-    step has beyond the simulated one, per action on the critical path, is ``data_parallel_action_overhead_s``.
-    Left out, the planner took actions on sharded stages for as cheap as unsharded ones, and at p=2 dp=2 on 4
-    processes chose 8 stages per rank where 2 measured 5% faster.
+    With ``data_parallel`` (and 4 or more processes, an even count) two more layouts,
+    :func:`data_parallel_runtime_configs`, measure what an action costs on a stage with data-parallel replicas
+    beyond the other layouts' cost per action: FSDP2's hooks and copies in every forward and backward. The two
+    differ only in actions, and are fitted as the first two are: their cost per action less the unreplicated
+    one is ``data_parallel_action_overhead_s`` (their cost per step, FSDP2's and the optimizer's, is the same for
+    every layout of one mesh and is left out). Left out, the planner took actions on sharded stages for as cheap
+    as unsharded ones, and at p=2 dp=2 on 4 processes chose 8 stages per rank where 2 measured 5% faster. Fitted
+    from one layout's step instead (what it has beyond the simulated one, per action), the term took every error
+    of the per-step cost fitted on other layouts: 0.39 ms at 4 processes and 0.02 ms at 8 in one calibration,
+    each far enough off to make ``auto`` choose the slower of two layouts 2–4% apart at dp=2 (more stages per
+    rank at p=4 m=16, fewer at p=2 m=2).
     """
     from lightning_bfpp.measure.emulated import EmulatedNet
     from lightning_bfpp.measure.profile import profile_module
@@ -311,12 +320,12 @@ def measure_runtime(
         profile = profile_module(EmulatedNet(RUNTIME_MODEL), batch, repeats=7)
     profile = replace(profile, optimizer_state_ratio=0.0)
     split = tensor_runtime_config(devices) if tensor else None
-    replicated = data_parallel_runtime_config(devices) if data_parallel else None
+    replicated = data_parallel_runtime_configs(devices) if data_parallel else None
     layouts = [(config, RUNTIME_MODEL) for config in runtime_configs(devices)]
     if split is not None:
         layouts.append((split, RUNTIME_MODEL))
     if replicated is not None:
-        layouts.append((replicated, DATA_PARALLEL_RUNTIME_MODEL))
+        layouts.extend((config, DATA_PARALLEL_RUNTIME_MODEL) for config in replicated)
     # each round of each layout in a job of its own, the layouts alternating: in one long job at 8 processes on
     # 2 cores the later rounds ran up to a quarter slower than the first, and the fitted cost per action with them
     runs: list[list[float]] = [[] for _ in layouts]
@@ -339,9 +348,14 @@ def measure_runtime(
         # the same layers' measured times, with this model's weights
         weights = DATA_PARALLEL_RUNTIME_MODEL.param_bytes
         layers = tuple(replace(layer, param_bytes=weights) for layer in profile.layers)
-        row = _data_parallel_cost(replicated, replace(profile, layers=layers), cluster, statistics.median(runs[-1]))
-        rows.append({**row, "rounds_s": runs[-1]})
-        cluster = replace(cluster, data_parallel_action_overhead_s=row["data_parallel_action_overhead_s"])
+        dp_rows = [
+            {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
+             "rounds_s": measured, **cost_weights(config, replace(profile, layers=layers), links)}
+            for config, measured in zip(replicated, runs[-2:], strict=True)
+        ]  # fmt: skip
+        cost = data_parallel_action_cost(dp_rows, per_action)
+        rows.extend({**row, "data_parallel_action_overhead_s": cost} for row in dp_rows)
+        cluster = replace(cluster, data_parallel_action_overhead_s=cost)
     return cluster, rows
 
 
@@ -360,19 +374,21 @@ def _tensor_cost(
     }
 
 
-def _data_parallel_cost(
-    config: Plan, profile: ModelProfile, cluster: Cluster, measured: float, probe_s: float = 1e-3
-) -> dict[str, float]:
-    """The host cost per action on a data-parallel stage, beyond ``cluster.action_overhead_s``, that makes the
-    simulated step of ``config`` the measured one."""
-    base_cluster = replace(cluster, data_parallel_action_overhead_s=0.0)
-    base, weight = _sensitivity(config, profile, base_cluster, "data_parallel_action_overhead_s", probe_s)
-    return {
-        "data_parallel_actions": weight,
-        "measured_s": measured,
-        "simulated_s": base,
-        "data_parallel_action_overhead_s": max((measured - base) / weight, 0.0),
-    }
+def data_parallel_action_cost(rows: list[dict[str, Any]], per_action: float) -> float:
+    """The cost per action on a replicated stage beyond ``per_action`` (the unreplicated layouts'), from the two
+    replicated layouts' rows (:func:`cost_weights`): how much more the second step has beyond its simulated one
+    than the first, per action more on its critical path, less ``per_action``; not below 0.
+
+    A constant per step cancels in the difference, which is why the fit is not :func:`fit_runtime_costs`': the
+    simulator hides the step's host work behind the first stage's gather, so both steps' ``step_weight`` is 0
+    at these weights, while the optimizer's and FSDP2's own per-step work still reaches the measured steps.
+    """
+    few, many = rows
+    actions = many["action_weight"] - few["action_weight"]
+    if actions <= 0:
+        raise ValueError("the second replicated layout must have more actions on its critical path than the first")
+    extra = (many["measured_s"] - many["simulated_s"]) - (few["measured_s"] - few["simulated_s"])
+    return max(extra / actions - per_action, 0.0)
 
 
 def cost_weights(config: Plan, profile: ModelProfile, links: Cluster, probe_s: float = 1e-3) -> dict[str, float]:

@@ -73,7 +73,8 @@ class Cluster:
     # pays for members arriving apart (``plan calibrate`` measures it so); None: ``collective_overhead_s``
     tensor_collective_overhead_s: float | None = None
     # host cost per action on a stage under data parallelism, on top of ``action_overhead_s``: FSDP2's hooks and
-    # copies run in every forward and backward of such a stage (``plan calibrate`` measures it on a sharded layout)
+    # copies run in every forward and backward of such a stage (``plan calibrate`` measures it on two sharded layouts
+    # that differ only in actions)
     data_parallel_action_overhead_s: float = 0.0
 
     @property

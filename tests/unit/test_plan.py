@@ -240,30 +240,40 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)
 
 
-def test_the_runtime_calibration_recovers_the_data_parallel_cost_per_action_from_a_step():
-    """``measure_runtime``'s data-parallel layout: the extra cost per action on a replicated stage that makes the
-    simulated step the measured one (a step simulated with 0.7 ms gives back 0.7 ms), charged by the simulator
-    only where there are replicas."""
+def test_the_runtime_calibration_recovers_the_data_parallel_cost_per_action_from_two_steps():
+    """``measure_runtime``'s data-parallel layouts: the extra cost per action on a replicated stage that makes the
+    simulated steps the measured ones (steps simulated with 0.7 ms give back 0.7 ms), whatever the replicated
+    steps' own cost per step; charged by the simulator only where there are replicas."""
     from lightning_bfpp.measure import calibrate as calibration
 
-    config = calibration.data_parallel_runtime_config(8)
-    assert config is not None and (config.pipeline_parallel_size, config.data_parallel_size) == (4, 2)
-    assert config.sharding == "full_shard"
-    assert calibration.data_parallel_runtime_config(2) is None
-    assert calibration.data_parallel_runtime_config(6) is not None
-    assert calibration.data_parallel_runtime_config(5) is None
+    configs = calibration.data_parallel_runtime_configs(8)
+    assert configs is not None
+    few, many = configs
+    assert all((c.pipeline_parallel_size, c.data_parallel_size, c.sharding) == (4, 2, "full_shard") for c in configs)
+    assert many.num_microbatches == 4 * few.num_microbatches and many.stages_per_rank == few.stages_per_rank
+    assert calibration.data_parallel_runtime_configs(2) is None
+    assert calibration.data_parallel_runtime_configs(6) is not None
+    assert calibration.data_parallel_runtime_configs(5) is None
     profile = uniform(16, 5e-3, 10e-3, 1 << 20, 4096, optimizer_state_ratio=0.0)
-    cluster = Cluster(8, 8, 2**40, 1e9, 1e9, latency_s=1e-4, action_overhead_s=1e-3)
-    measured = simulate(config, profile, replace(cluster, data_parallel_action_overhead_s=7e-4)).step_time
-    row = calibration._data_parallel_cost(config, profile, cluster, measured)
-    assert row["data_parallel_action_overhead_s"] == pytest.approx(7e-4, rel=1e-3)
-    v, m = config.stages_per_rank, config.num_microbatches
-    assert row["data_parallel_actions"] >= 2 * m * v  # at least a rank's own forwards and backwards
+    links = Cluster(8, 8, 2**40, 1e9, 1e9, latency_s=1e-4)
+    # the replicated steps also carry 9 ms per step that nothing simulated prices (the optimizer's and FSDP2's own
+    # work): read from one step's residual it would pass for a cost per action, the difference of two steps
+    # that differ only in actions cancels it
+    truth = replace(links, action_overhead_s=1e-3, data_parallel_action_overhead_s=7e-4)
+    rows = [{"actions": 2 * c.stages_per_rank * c.num_microbatches,
+             "measured_s": simulate(c, profile, truth).step_time + 9e-3,
+             **calibration.cost_weights(c, profile, links)} for c in configs]  # fmt: skip
+    assert calibration.data_parallel_action_cost(rows, 1e-3) == pytest.approx(7e-4, rel=2e-2)
+    one_step = (rows[0]["measured_s"] - rows[0]["simulated_s"]) / rows[0]["action_weight"] - 1e-3
+    assert one_step > 1.2 * 7e-4
+    assert calibration.data_parallel_action_cost(rows, 5e-3) == 0.0  # never below 0
     # without replicas nothing changes; with them every action pays it
+    cluster = replace(links, action_overhead_s=1e-3)
     costly = replace(cluster, data_parallel_action_overhead_s=5e-3)
     alone = Plan("breadth_first", 4, 1, 2, 8, 1)
     assert simulate(alone, profile, costly).step_time == pytest.approx(simulate(alone, profile, cluster).step_time)
-    assert simulate(config, profile, costly).step_time > simulate(config, profile, cluster).step_time + 2 * m * v * 4e-3
+    v, m = few.stages_per_rank, few.num_microbatches
+    assert simulate(few, profile, costly).step_time > simulate(few, profile, cluster).step_time + 2 * m * v * 4e-3
 
 
 def test_the_runtime_calibration_runs_every_layout_in_alternating_rounds(monkeypatch):
@@ -287,9 +297,9 @@ def test_the_runtime_calibration_runs_every_layout_in_alternating_rounds(monkeyp
     monkeypatch.setattr("lightning_bfpp.measure.profile.profile_module", lambda *args, **kwargs: profile)
     cluster, rows = calibration.measure_runtime(4, links, steps=3, rounds=2)
     layouts = [*calibration.runtime_configs(4), calibration.tensor_runtime_config(4),
-               calibration.data_parallel_runtime_config(4)]  # fmt: skip
+               *calibration.data_parallel_runtime_configs(4)]  # fmt: skip
     assert order == [config.describe() for config in layouts] * 2
-    assert len(rows) == 4
+    assert len(rows) == 5
     for field, value in truth.items():
         assert getattr(cluster, field) == pytest.approx(value, rel=2e-2), field
 
