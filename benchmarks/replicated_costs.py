@@ -12,7 +12,8 @@ is not explained by those two terms, the residuals say so.
 
 ``--trace`` instead traces ``interleaved_zb`` at v=2 and v=4 at the fastest benchmark's split_p2_m2_dp2 point
 (``BFPPStrategy(trace=...)``) and prints, per rank, the traced step's exposed data-parallel communication and
-the wait for the first stage's gather beside the simulator's.
+the wait for the first stage's gather beside the simulator's; ``--prefetch-stages 0`` with no next stage's gather
+in flight beside the first.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def first_gather_wait(spans: list[Span], rank: int) -> float:
     return waits[0].duration if waits else 0.0
 
 
-def trace(cluster: Cluster, out: Path, step: int = 8) -> None:
+def trace(cluster: Cluster, out: Path, prefetch_stages: int = 1, step: int = 8) -> None:
     point = Point(True, 2, 2, 2)
     e = point.emulated
     layer = LayerCost(e.forward_ms / 1e3, (e.backward_ms + e.weight_grad_ms) / 1e3, 4 * e.param_numel,
@@ -108,10 +109,12 @@ def trace(cluster: Cluster, out: Path, step: int = 8) -> None:
     for v in (2, 4):
         folder = out / f"interleaved_zb_v{v}"
         job = Job(f"{point.name}/interleaved_zb_v{v}", kind="bfpp", label=f"interleaved_zb v={v}",
-                  schedule="interleaved_zb", v=v, trace=str(folder), **common)  # fmt: skip
+                  schedule="interleaved_zb", v=v, prefetch_stages=prefetch_stages, trace=str(folder),
+                  **common)  # fmt: skip
         launch.launch(job, out / f"interleaved_zb_v{v}_records")
         traced = read_spans(folder / f"step{step:05d}.spans.json")
-        simulated = simulate(Plan("interleaved_zb", 2, 2, v, 2, 1, sharding="full_shard"), profile, cluster).spans
+        plan = Plan("interleaved_zb", 2, 2, v, 2, 1, sharding="full_shard", prefetch_stages=prefetch_stages)
+        simulated = simulate(plan, profile, cluster).spans
         for label, spans in (("traced", traced), ("simulated", simulated)):
             line = "; ".join(
                 f"rank {s.rank}: {1e3 * s.step_time:.0f} ms, exposed data-parallel {1e3 * s.data_parallel:.0f} ms,"
@@ -126,10 +129,11 @@ def main() -> None:
     parser.add_argument("--cluster4", type=Path, required=True, help="a Cluster JSON for 4 processes (plan calibrate)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trace", type=Path, help="trace split_p2_m2_dp2's interleaved_zb v=2 and v=4 here instead")
+    parser.add_argument("--prefetch-stages", type=int, default=1, help="--trace: BFPPStrategy(prefetch_stages=)")
     args = parser.parse_args()
     cluster = Cluster.from_json(args.cluster4)
     if args.trace:
-        trace(cluster, args.trace)
+        trace(cluster, args.trace, args.prefetch_stages)
     else:
         measure(cluster, args.rounds)
 
