@@ -82,6 +82,16 @@ class Point:
             return Emulated(16, 5.0, 5.0, param_numel, 4096, weight_grad_ms=5.0)
         return Emulated(16, 5.0, 10.0, param_numel, 4096)
 
+    def nominal_profile(self) -> ModelProfile:
+        """The emulated layers at their nominal times, as the simulator takes them (a whole backward runs whole in
+        both passes of a split one, as torch's runtime runs it)."""
+        e = self.emulated
+        i = e.backward_ms / 1e3
+        w = e.weight_grad_ms / 1e3 if e.weight_grad_ms else i  # one node: the weight pass runs it again
+        layer = LayerCost(e.forward_ms / 1e3, (e.backward_ms + (e.weight_grad_ms or 0.0)) / 1e3, 4 * e.param_numel,
+                          4 * e.activation_numel, 0, backward_weight_s=w, backward_input_s=i)  # fmt: skip
+        return ModelProfile(tuple([layer] * e.layers))
+
     def jobs(self, clusters: dict[int, str], warmup: int, steps: int, torch_jobs: set[str] | None = None) -> list[Job]:
         processes = self.p * self.dp
         common = dict(
@@ -116,12 +126,7 @@ def bound_ms(point: Point) -> tuple[float, str]:
     """The fastest order's step with free communication and no host cost, and which order: the simulator on the
     layers' nominal times, over every registered pipeline kind at v ∈ {1, 2, 4} (they include torch's orders; a
     whole backward runs whole in both passes of a split one, as torch's runtime runs it)."""
-    e = point.emulated
-    i = e.backward_ms / 1e3
-    w = e.weight_grad_ms / 1e3 if e.weight_grad_ms else i  # one node: the weight pass runs it again
-    layer = LayerCost(e.forward_ms / 1e3, (e.backward_ms + (e.weight_grad_ms or 0.0)) / 1e3, 4 * e.param_numel,
-                      4 * e.activation_numel, 0, backward_weight_s=w, backward_input_s=i)  # fmt: skip
-    profile = ModelProfile(tuple([layer] * e.layers))
+    profile = point.nominal_profile()
     free = Cluster(point.p * point.dp, point.p * point.dp, 2**50, 1e18, 1e18, latency_s=0.0)
     best = (float("inf"), "")
     for name in schedule_names():

@@ -29,11 +29,10 @@ import torch
 from benchmarks.fastest import Point
 from benchmarks.suite import launch
 from benchmarks.suite.spec import Job
-from lightning_bfpp.measure.calibrate import RUNTIME_MODEL, one_thread, run_emulated
+from lightning_bfpp.measure.calibrate import RUNTIME_MODEL, one_thread, run_emulated, sensitivity
 from lightning_bfpp.measure.emulated import EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan.cluster import Cluster
-from lightning_bfpp.plan.costs import LayerCost, ModelProfile
 from lightning_bfpp.plan.plan import Plan
 from lightning_bfpp.plan.simulate import simulate
 from lightning_bfpp.plan.timeline import Span, read_spans, summarize
@@ -77,14 +76,10 @@ def measure(cluster: Cluster, rounds: int) -> None:
     for name, (v, m, weights) in LAYOUTS.items():
         plan = replicated_plan(v, m)
         layers = replace(profile, layers=tuple(replace(layer, param_bytes=weights) for layer in profile.layers))
-        base = simulate(plan, layers, cluster).step_time
-
-        def grows(field: str, plan: Plan = plan, layers: ModelProfile = layers, base: float = base) -> float:
-            probed = replace(cluster, **{field: getattr(cluster, field) + 1e-3})
-            return (simulate(plan, layers, probed).step_time - base) / 1e-3
-
+        base, per_collective = sensitivity(plan, layers, cluster, "collective_overhead_s")
+        _, per_action = sensitivity(plan, layers, cluster, "data_parallel_action_overhead_s")
         measured = statistics.median(runs[name])
-        rows.append((measured - base, grows("collective_overhead_s"), grows("data_parallel_action_overhead_s")))
+        rows.append((measured - base, per_collective, per_action))
         print(f"{name}: measured {1e3 * measured:.0f} ms (rounds {[round(1e3 * s) for s in runs[name]]}),"
               f" simulated {1e3 * base:.0f} ms, excess {1e3 * (measured - base):+.1f} ms")  # fmt: skip
     (per_reduction, per_action), residuals = fit_costs(rows)
@@ -100,12 +95,9 @@ def first_gather_wait(spans: list[Span], rank: int) -> float:
 
 def trace(cluster: Cluster, out: Path, prefetch_stages: int = 1, step: int = 8) -> None:
     point = Point(True, 2, 2, 2)
-    e = point.emulated
-    layer = LayerCost(e.forward_ms / 1e3, (e.backward_ms + e.weight_grad_ms) / 1e3, 4 * e.param_numel,
-                      4 * e.activation_numel, 4 * e.activation_numel, backward_weight_s=e.weight_grad_ms / 1e3,
-                      backward_input_s=e.backward_ms / 1e3, intermediate_grad_bytes=4 * e.activation_numel)  # fmt: skip
-    profile = ModelProfile(tuple([layer] * e.layers))
-    common = dict(group=point.name, processes=4, p=2, m=2, dp=2, emulated=e, warmup=4, steps=6, timeout_s=300.0)
+    profile = point.nominal_profile()
+    common = dict(group=point.name, processes=4, p=2, m=2, dp=2, emulated=point.emulated, warmup=4, steps=6,
+                  timeout_s=300.0)  # fmt: skip
     for v in (2, 4):
         folder = out / f"interleaved_zb_v{v}"
         job = Job(f"{point.name}/interleaved_zb_v{v}", kind="bfpp", label=f"interleaved_zb v={v}",

@@ -333,10 +333,9 @@ def measure_runtime(
         for i, (config, model) in enumerate(layouts):
             runs[i].append(run_emulated(config, model, steps, devices))
     rows = [
-        {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
-         "rounds_s": measured, **cost_weights(config, profile, links)}
+        _runtime_row(config, measured, profile, links)
         for (config, _), measured in zip(layouts[:2], runs[:2], strict=True)
-    ]  # fmt: skip
+    ]
     per_action, per_step = fit_runtime_costs(rows)
     cluster = replace(links, action_overhead_s=per_action, step_overhead_s=per_step)
     if split is not None:
@@ -348,15 +347,26 @@ def measure_runtime(
         # the same layers' measured times, with this model's weights
         weights = DATA_PARALLEL_RUNTIME_MODEL.param_bytes
         layers = tuple(replace(layer, param_bytes=weights) for layer in profile.layers)
+        weighted = replace(profile, layers=layers)
         dp_rows = [
-            {"actions": 2 * config.stages_per_rank * config.num_microbatches, "measured_s": statistics.median(measured),
-             "rounds_s": measured, **cost_weights(config, replace(profile, layers=layers), links)}
+            _runtime_row(config, measured, weighted, links)
             for config, measured in zip(replicated, runs[-2:], strict=True)
-        ]  # fmt: skip
+        ]
         cost = data_parallel_action_cost(dp_rows, per_action)
         rows.extend({**row, "data_parallel_action_overhead_s": cost} for row in dp_rows)
         cluster = replace(cluster, data_parallel_action_overhead_s=cost)
     return cluster, rows
+
+
+def _runtime_row(config: Plan, rounds_s: list[float], profile: ModelProfile, links: Cluster) -> dict[str, Any]:
+    """One layout's calibration row: its actions per rank, its median step over the rounds, and its simulated step
+    with the weights of each runtime cost (:func:`cost_weights`)."""
+    return {
+        "actions": 2 * config.stages_per_rank * config.num_microbatches,
+        "measured_s": statistics.median(rounds_s),
+        "rounds_s": rounds_s,
+        **cost_weights(config, profile, links),
+    }
 
 
 def _tensor_cost(
@@ -365,7 +375,7 @@ def _tensor_cost(
     """The fixed cost per tensor all-reduce that makes the simulated step of ``config`` the measured one."""
     free_cluster = replace(cluster, tensor_collective_overhead_s=0.0)
     # the step with free tensor all-reduces, and the all-reduces on its critical path
-    free, weight = _sensitivity(config, profile, free_cluster, "tensor_collective_overhead_s", probe_s)
+    free, weight = sensitivity(config, profile, free_cluster, "tensor_collective_overhead_s", probe_s)
     return {
         "tensor_all_reduces": weight,
         "measured_s": measured,
@@ -400,13 +410,13 @@ def cost_weights(config: Plan, profile: ModelProfile, links: Cluster, probe_s: f
     Fitting against a rank's own count put the cost per action about 12% high (3.44 against 3.06 ms on the
     same 8-process measurements).
     """
-    base, action_weight = _sensitivity(config, profile, links, "action_overhead_s", probe_s)
-    _, step_weight = _sensitivity(config, profile, links, "step_overhead_s", probe_s)
+    base, action_weight = sensitivity(config, profile, links, "action_overhead_s", probe_s)
+    _, step_weight = sensitivity(config, profile, links, "step_overhead_s", probe_s)
     return {"simulated_s": base, "action_weight": action_weight, "step_weight": step_weight}
 
 
-def _sensitivity(
-    config: Plan, profile: ModelProfile, cluster: Cluster, field: str, probe_s: float
+def sensitivity(
+    config: Plan, profile: ModelProfile, cluster: Cluster, field: str, probe_s: float = 1e-3
 ) -> tuple[float, float]:
     """The simulated step of ``config`` on ``cluster``, and how much it grows per second added to the cluster's
     cost ``field`` (the step is linear in each such cost while the critical path stays the same)."""
