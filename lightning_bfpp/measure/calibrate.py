@@ -21,7 +21,13 @@
   copies; two ``full_shard`` replicas of layers with 1 MiB of weights). The layers are long
   enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
   layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
-  for the cores (180 ms per step instead of about 10).
+  for the cores (180 ms per step instead of about 10);
+- **the step's first gather** (with the step's host cost the runtime measurement found): every group of
+  ``--group-size`` gathers 16 MiB at once, each process busy with that host work meanwhile, as a step issues the
+  gather of its first stage; against one group's gather alone, as the links price it, that is
+  ``Cluster.first_gather_slowdown``. Every other gather of a step runs with some ranks computing or waiting, but
+  this one meets every group's copies and every process's host work at once: on 4 processes sharing 2 cores it
+  took 19–20 ms where the links price 7 ms (16 MiB), and traced steps waited for it as long.
 
 Every process runs one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets by default): several
 processes sharing a few cores, each with a thread per core, make any host-side op on an activation spin
@@ -53,7 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.measure.emulated import EmulatedModel
-from lightning_bfpp.plan.cluster import Cluster, tensor_all_reduce_s
+from lightning_bfpp.plan.cluster import Cluster, first_gather_slowdown, tensor_all_reduce_s
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.plan import Plan
 from lightning_bfpp.plan.simulate import simulate
@@ -67,6 +73,8 @@ RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param
 DATA_PARALLEL_RUNTIME_MODEL = replace(RUNTIME_MODEL, param_numel=1 << 18)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+# the step's first gather, as a step issues it: a stage's weights (the largest of SIZES), where contention shows
+FIRST_GATHER_BYTES = SIZES[-1]
 # a tensor-parallel all-reduce of one small activation: its fixed cost is what matters
 TENSOR_ALL_REDUCE_BYTES = 4 << 10
 
@@ -170,6 +178,52 @@ def _tensor_all_reduce(
     return [(TENSOR_ALL_REDUCE_BYTES, statistics.median(times))]
 
 
+def _first_gather_worker(
+    rank: int, world: int, port: int, out: str, repeats: int, group_size: int, host_s: float
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    timings = _first_gather(rank, world, group_size, repeats, device, cuda, host_s)
+    if rank == 0:
+        Path(out).write_text(json.dumps(timings))
+    dist.destroy_process_group()
+
+
+def _first_gather(
+    rank: int, world: int, size: int, repeats: int, device: torch.device, cuda: bool, host_s: float, warmup: int = 5
+) -> list[tuple[int, float]]:
+    """The step's first gather as a step issues it: every group of ``size`` consecutive ranks gathers
+    :data:`FIRST_GATHER_BYTES` at once, and each rank then runs ``host_s`` of host work (a Python loop, as the
+    step's preparation is) while it is under way. Rank 0's median time from the call to the gather's end, after
+    ``warmup`` calls (the first after the groups' set-up took 2–6× the later ones on gloo)."""
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world - world % size, size)]
+    group = groups[rank // size] if rank < len(groups) * size else None
+    shard = torch.zeros(FIRST_GATHER_BYTES // 4 // size, device=device)
+    full = torch.empty(shard.numel() * size, device=device)
+    times = []
+    for attempt in range(warmup + 2 * repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if group is None:
+            continue
+        work = dist.all_gather_single(full, shard, group=group, async_op=True)
+        done = None
+        while time.perf_counter() < start + host_s:  # the host work, noting when the gather ends
+            if done is None and work.is_completed():
+                done = time.perf_counter()
+        work.wait()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if attempt >= warmup:
+            times.append((done or time.perf_counter()) - start)
+    return [(FIRST_GATHER_BYTES, statistics.median(times))] if times else []
+
+
 def calibrate(
     devices: int,
     group_size: int = 2,
@@ -222,6 +276,14 @@ def calibrate(
     if runtime:
         cluster, costs = measure_runtime(devices, cluster)
         timings["runtime"] = costs  # type: ignore[assignment]
+    # the step's first gather beside the step's host work as the runtime's costs price it (none without them)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "first_gather.json")
+        args = (devices, _free_port(), out, repeats, group_size, cluster.step_overhead_s)
+        mp.spawn(_first_gather_worker, args=args, nprocs=devices)
+        timings["first_gather"] = json.loads(Path(out).read_text())
+    ((nbytes, seconds),) = timings["first_gather"]
+    cluster = replace(cluster, first_gather_slowdown=first_gather_slowdown(cluster, group_size, nbytes, seconds))
     return cluster, timings
 
 

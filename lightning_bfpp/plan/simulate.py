@@ -15,7 +15,8 @@ rank by rank, on the ranks the kind's placement gives each stage, with this mode
   it for the backward; the last stage's is the loss), and the computing layer's transient (its temporaries, its
   backward's activation gradients) adds the rank's largest layer's activations for one micro-batch to its peak;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
-  data-parallel stream, one collective at a time, overlapping compute;
+  data-parallel stream, one collective at a time, overlapping compute; the step's first takes
+  ``Cluster.first_gather_slowdown`` times as long, every rank issuing it at once beside the step's host work;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
   (and ``BFPPStrategy`` on gloo by default), or with ``Cluster.overlap_reductions`` runs beside it, as the
   strategy's overlapped reductions do (the default on CUDA);
@@ -204,8 +205,10 @@ def _run(
                 cost = stages[a.stage]
                 if a.kind is UNSHARD:
                     if sharded:
-                        start = r.dp_free if prefetched and not r.gathered else max(r.host, r.dp_free)
-                        end = start + gather_s(rank, cost.param_bytes)
+                        first = not r.gathered
+                        start = r.dp_free if prefetched and first else max(r.host, r.dp_free)
+                        slowdown = cluster.first_gather_slowdown if first else 1.0
+                        end = start + slowdown * gather_s(rank, cost.param_bytes)
                         r.dp_free = r.gathered[a.stage] = end
                         spans.append(Span(rank, "gather", start, end, a.stage))
                         r.comm_bytes += int(cost.param_bytes * (shard[rank] - 1) / shard[rank])

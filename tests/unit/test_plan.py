@@ -240,6 +240,52 @@ def test_the_first_gather_runs_beside_the_steps_host_work():
     assert next(s.start for s in late.spans if s.rank == 0 and s.kind == "gather") == pytest.approx(5.0)
 
 
+def test_only_the_steps_first_gather_pays_the_contention_of_every_rank_gathering_at_once():
+    # two stages per rank of 600 bytes over dp=2: each gather takes 3 s; the step's first takes 2.5× that, 7.5 s,
+    # of which the 5 s of host work hide 5
+    profile = uniform(4, 1.0, 2.0, 300, 1, 1, optimizer_state_ratio=0.0)
+    busy = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0, step_overhead_s=5.0)
+    contended = replace(busy, first_gather_slowdown=2.5)
+    config = Plan("breadth_first", 1, 2, 2, 1, 1, sharding="full_shard")
+    gathers = [s.duration for s in simulate(config, profile, contended).spans if s.kind == "gather"]
+    assert gathers[0] == pytest.approx(7.5) and gathers[1:] == pytest.approx([3.0] * (len(gathers) - 1))
+    assert len(gathers) > 1
+    step = simulate(config, profile, busy).step_time
+    assert simulate(config, profile, contended).step_time == pytest.approx(step + 7.5 - 5)
+    # without replicas there is nothing to gather, and nothing changes
+    alone = Plan("breadth_first", 1, 1, 2, 1, 1)
+    assert simulate(alone, profile, contended).step_time == simulate(alone, profile, busy).step_time
+
+
+def test_the_first_gathers_slowdown_is_its_measured_time_over_the_links_price():
+    from lightning_bfpp.plan.cluster import first_gather_slowdown
+
+    # 16 MiB over 2 ranks at 1 GB/s with 1 ms per call: 1 ms + 8 MiB / 1 GB/s ≈ 9.39 ms alone
+    cluster = Cluster(4, 4, 2**40, 1e9, 1e9, latency_s=0.0, collective_overhead_s=1e-3)
+    alone = 1e-3 + (8 << 20) / 1e9
+    assert first_gather_slowdown(cluster, 2, 16 << 20, 3 * alone) == pytest.approx(3.0)
+    # a host quicker than its fitted links does not make the first gather cheaper than the others
+    assert first_gather_slowdown(cluster, 2, 16 << 20, 0.5 * alone) == 1.0
+
+
+def test_the_first_gather_is_timed_from_the_call_to_its_end_while_the_host_works(tmp_path):
+    """``calibrate``'s measurement on a one-process gloo group: torch's async gather, polled while the host works,
+    then waited for (the calls the calibration relies on)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_bfpp.measure import calibrate as calibration
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        timings = calibration._first_gather(0, 1, 1, 1, torch.device("cpu"), False, host_s=0.5, warmup=0)
+    finally:
+        dist.destroy_process_group()
+    ((nbytes, seconds),) = timings
+    assert nbytes == calibration.FIRST_GATHER_BYTES
+    assert 0 < seconds < 0.5  # noted while the host worked: a copy of 16 MiB in one process ends long before
+
+
 def test_the_runtime_calibration_recovers_the_data_parallel_cost_per_action_from_two_steps():
     """``measure_runtime``'s data-parallel layouts: the extra cost per action on a replicated stage that makes the
     simulated steps the measured ones (steps simulated with 0.7 ms give back 0.7 ms), whatever the replicated
