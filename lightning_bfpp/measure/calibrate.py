@@ -105,7 +105,8 @@ def _time(fn, repeats: int, cuda: bool) -> float:  # type: ignore[no-untyped-def
     return statistics.median(times)
 
 
-def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int) -> None:
+def _join(rank: int, world: int, port: int) -> tuple[torch.device, bool]:
+    """Join the measuring processes' group; this process's device, and whether it is a GPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as the training processes (run_emulated): gloo's CPU work is not oversubscribed
     cuda = torch.cuda.is_available()
@@ -113,6 +114,11 @@ def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    return device, cuda
+
+
+def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int) -> None:
+    device, cuda = _join(rank, world, port)
     group = dist.new_group(list(range(group_size)))
     p2p, gather, reduce, all_reduced = [], [], [], []
     for nbytes in SIZES:
@@ -181,13 +187,7 @@ def _tensor_all_reduce(
 def _first_gather_worker(
     rank: int, world: int, port: int, out: str, repeats: int, group_size: int, host_s: float
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device, cuda = _join(rank, world, port)
     timings = _first_gather(rank, world, group_size, repeats, device, cuda, host_s)
     if rank == 0:
         Path(out).write_text(json.dumps(timings))

@@ -78,8 +78,8 @@ class Cluster:
     data_parallel_action_overhead_s: float = 0.0
     # how many times longer the step's first gather takes than one group's gather alone: every rank issues it at
     # once, beside the step's host work, so on a host whose processes share cores (gloo on CPU) every group's
-    # copies and that host work compete for them (2.4–2.7× at 16 MiB on 4 and 8 processes on 2 cores); about 1
-    # on accelerators. ``plan calibrate`` measures it as a step issues it (:func:`first_gather_slowdown`)
+    # copies and that host work compete for them (2.44 at 16 MiB on 4 processes on 2 cores in one calibration);
+    # about 1 on accelerators. ``plan calibrate`` measures it as a step issues it (:func:`first_gather_slowdown`)
     first_gather_slowdown: float = 1.0
 
     @property
@@ -232,8 +232,8 @@ def first_gather_slowdown(cluster: Cluster, group_size: int, nbytes: int, second
     the cluster's links price one group's gather alone at. Not below 1: the measurement is of contention, which
     only slows a gather, and a host quicker than its fitted links must not make the first gather cheaper than
     the others."""
-    alone = Links((), (cluster.intra_node_bandwidth,), group_size, cluster.latency_s, cluster.collective_overhead_s)
-    return max(seconds / alone.all_gather_s(0, nbytes), 1.0)
+    alone = links(cluster, 1, group_size, "data_pipeline").all_gather_s(0, nbytes)  # one group, the others idle
+    return max(seconds / alone, 1.0)
 
 
 def hybrid_groups(cluster: Cluster, ranks: list[int]) -> tuple[int, int]:
