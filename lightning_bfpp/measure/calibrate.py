@@ -5,7 +5,8 @@
 
 - **links**: ping-pong transfers between two processes, and all-gathers, reduce-scatters and all-reduces within
   a group of ``--group-size`` (the data-parallel size the plan will use), each fitted as ``time = fixed +
-  bytes / bandwidth`` (the reductions' bandwidths as ratios to the all-gathers'); the other processes stay
+  bytes / bandwidth`` (the reductions' bandwidths as ratios to the all-gathers'), on each size's median over
+  three sweeps (``link_rounds``; ``--timings`` writes each term's range over them); the other processes stay
   idle, as most ranks' links are during a real step. Then a tensor group's all-reduce as a step runs it:
   every group of ``--group-size`` consecutive processes at once, each call right after the process's own
   work, so that it pays for the group's members not arriving together (on this 2-core machine, about
@@ -22,12 +23,14 @@
   enough for the host to wait on its "device" most of the time, as it does on accelerators: with 1 ms
   layers, 8 processes on 2 cores kept every core busy, and what was measured was the processes queueing
   for the cores (180 ms per step instead of about 10);
-- **the step's first gather** (with the step's host cost the runtime measurement found): every group of
-  ``--group-size`` gathers 16 MiB at once, each process busy with that host work meanwhile, as a step issues the
-  gather of its first stage; against one group's gather alone, as the links price it, that is
-  ``Cluster.first_gather_slowdown``. Every other gather of a step runs with some ranks computing or waiting, but
-  this one meets every group's copies and every process's host work at once: on 4 processes sharing 2 cores it
-  took 19–20 ms where the links price 7 ms (16 MiB), and traced steps waited for it as long.
+- **the step's first gather and last reduction** (with the step's host cost the runtime measurement found):
+  every group of ``--group-size`` gathers, then reduce-scatters, 16 MiB at once, each process busy with that
+  host work meanwhile, as a step issues the gather of its first stage and ends with the reduction of its last;
+  against one group's collective alone, as the links price it, those are ``Cluster.first_gather_slowdown`` and
+  ``last_reduce_slowdown``. Every other collective of a step runs with some ranks computing or waiting, but these
+  two meet every group's copies and sums and every process's host work at once: on 4 processes sharing 2 cores
+  the gather took 20–28 ms where the links price 9 ms and the reduce-scatter 34 ms where they price 18 ms
+  (16 MiB), and traced steps waited for them as long.
 
 Every process runs one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets by default): several
 processes sharing a few cores, each with a thread per core, make any host-side op on an activation spin
@@ -48,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -59,7 +62,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.measure.emulated import EmulatedModel
-from lightning_bfpp.plan.cluster import Cluster, first_gather_slowdown, tensor_all_reduce_s
+from lightning_bfpp.plan.cluster import Cluster, contended_slowdown, tensor_all_reduce_s
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.plan import Plan
 from lightning_bfpp.plan.simulate import simulate
@@ -73,8 +76,10 @@ RUNTIME_MODEL = EmulatedModel(layers=16, forward_ms=5.0, backward_ms=10.0, param
 DATA_PARALLEL_RUNTIME_MODEL = replace(RUNTIME_MODEL, param_numel=1 << 18)
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-# the step's first gather, as a step issues it: a stage's weights (the largest of SIZES), where contention shows
-FIRST_GATHER_BYTES = SIZES[-1]
+LINKS = ("p2p", "all_gather", "reduce_scatter", "all_reduce")
+# the step's first gather and last reduction, as a step issues them: a stage's weights (the largest of SIZES), where
+# contention shows
+CONTENDED_BYTES = SIZES[-1]
 # a tensor-parallel all-reduce of one small activation: its fixed cost is what matters
 TENSOR_ALL_REDUCE_BYTES = 4 << 10
 
@@ -117,46 +122,65 @@ def _join(rank: int, world: int, port: int) -> tuple[torch.device, bool]:
     return device, cuda
 
 
-def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int) -> None:
+def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int, rounds: int) -> None:
     device, cuda = _join(rank, world, port)
     group = dist.new_group(list(range(group_size)))
-    p2p, gather, reduce, all_reduced = [], [], [], []
-    for nbytes in SIZES:
-        buf = torch.zeros(nbytes // 4, device=device)
-
-        def ping_pong(buf: torch.Tensor = buf) -> None:
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-
-        p2p.append((nbytes, _time(ping_pong, repeats, cuda) / 2))
-        shard = torch.zeros(nbytes // 4 // group_size, device=device)
-        full = torch.zeros(shard.numel() * group_size, device=device)
-
-        def all_gather(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
-            if rank < group_size:
-                dist.all_gather_single(full, shard, group=group)
-
-        def reduce_scatter(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
-            if rank < group_size:
-                dist.reduce_scatter_tensor(shard, full, group=group)
-
-        def all_reduce(full: torch.Tensor = full) -> None:
-            if rank < group_size:
-                dist.all_reduce(full, group=group)
-
-        gather.append((full.numel() * 4, _time(all_gather, repeats, cuda)))
-        reduce.append((full.numel() * 4, _time(reduce_scatter, repeats, cuda)))
-        all_reduced.append((full.numel() * 4, _time(all_reduce, repeats, cuda)))
+    calls = [_link_calls(rank, group, group_size, nbytes, device) for nbytes in SIZES]
+    # every size of every link ``rounds`` times, the sweep's direction alternating: one sweep's medians of
+    # consecutive calls took a slow spell of the shared host whole (a reduce-scatter's bandwidth fitted 0.17 of
+    # the gathers' in one calibration, 0.46–0.63 in five others the same hour); its median over rounds does not
+    measured: dict[str, list[list[float]]] = {name: [[] for _ in SIZES] for name in LINKS}
+    for round_ in range(rounds):
+        for i in range(len(SIZES)) if round_ % 2 == 0 else reversed(range(len(SIZES))):
+            for name, (fn, per_call) in calls[i].items():
+                measured[name][i].append(_time(fn, repeats, cuda) / per_call)
     tensor = _tensor_all_reduce(rank, world, group_size, repeats, device, cuda)
     if rank == 0:
-        timings = {"p2p": p2p, "all_gather": gather, "reduce_scatter": reduce, "all_reduce": all_reduced}
+        timings: dict[str, Any] = {
+            name: [(nbytes, statistics.median(seconds)) for nbytes, seconds in zip(SIZES, by_size, strict=True)]
+            for name, by_size in measured.items()
+        }
+        timings["link_rounds"] = {
+            name: [(nbytes, seconds) for nbytes, seconds in zip(SIZES, by_size, strict=True)]
+            for name, by_size in measured.items()
+        }
         timings["tensor_all_reduce"] = tensor
         Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
+
+
+def _link_calls(
+    rank: int, group: dist.ProcessGroup, group_size: int, nbytes: int, device: torch.device
+) -> dict[str, tuple[Callable[[], None], int]]:
+    """Each link's call for ``nbytes`` on this rank, and how many transfers one call makes (a ping-pong: two).
+    The collectives run on the first ``group_size`` ranks, the others idle, as most ranks' links are in a step."""
+    buf = torch.zeros(nbytes // 4, device=device)
+    shard = torch.zeros(nbytes // 4 // group_size, device=device)
+    full = torch.zeros(shard.numel() * group_size, device=device)
+    member = rank < group_size
+
+    def ping_pong() -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    def all_gather() -> None:
+        if member:
+            dist.all_gather_single(full, shard, group=group)
+
+    def reduce_scatter() -> None:
+        if member:
+            dist.reduce_scatter_single(shard, full, group=group)
+
+    def all_reduce() -> None:
+        if member:
+            dist.all_reduce(full, group=group)
+
+    return {"p2p": (ping_pong, 2), "all_gather": (all_gather, 1), "reduce_scatter": (reduce_scatter, 1),
+            "all_reduce": (all_reduce, 1)}  # fmt: skip
 
 
 def _tensor_all_reduce(
@@ -184,36 +208,55 @@ def _tensor_all_reduce(
     return [(TENSOR_ALL_REDUCE_BYTES, statistics.median(times))]
 
 
-def _first_gather_worker(
-    rank: int, world: int, port: int, out: str, repeats: int, group_size: int, host_s: float
-) -> None:
+def _contended_worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int, host_s: float) -> None:
     device, cuda = _join(rank, world, port)
-    timings = _first_gather(rank, world, group_size, repeats, device, cuda, host_s)
+    timings = {
+        name: _contended(rank, world, group_size, repeats, device, cuda, host_s, collective)
+        for name, collective in (("first_gather", "all_gather"), ("last_reduce", "reduce_scatter"))
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
 
 
-def _first_gather(
-    rank: int, world: int, size: int, repeats: int, device: torch.device, cuda: bool, host_s: float, warmup: int = 5
+def _contended(
+    rank: int,
+    world: int,
+    size: int,
+    repeats: int,
+    device: torch.device,
+    cuda: bool,
+    host_s: float,
+    collective: str,
+    warmup: int = 5,
 ) -> list[tuple[int, float]]:
-    """The step's first gather as a step issues it: every group of ``size`` consecutive ranks gathers
-    :data:`FIRST_GATHER_BYTES` at once, and each rank then runs ``host_s`` of host work (a Python loop, as the
-    step's preparation is) while it is under way. Rank 0's median time from the call to the gather's end, after
-    ``warmup`` calls (the first after the groups' set-up took 2–6× the later ones on gloo)."""
+    """A step's first gather or last reduction as a step issues it: every group of ``size`` consecutive ranks
+    runs ``collective`` (``"all_gather"`` or ``"reduce_scatter"``) of :data:`CONTENDED_BYTES` at once, beside
+    ``host_s`` of host work (a Python loop, as the step's preparation and its optimizer update are). Rank 0's
+    median time from the call to the collective's end, after ``warmup`` calls (the first after the groups'
+    set-up took 2–6× the later ones on gloo).
+
+    The gather starts the step, and every rank works beside it: each polls it while working and notes its end.
+    The reduction ends the step: the rank it ends has nothing left to do but wait (its optimizer update needs
+    the gradients) while the other ranks work, so rank 0 waits for it at once. That also makes its end
+    observable: gloo's reduce-scatter reports itself complete only once waited for."""
     groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world - world % size, size)]
     group = groups[rank // size] if rank < len(groups) * size else None
-    shard = torch.zeros(FIRST_GATHER_BYTES // 4 // size, device=device)
-    full = torch.empty(shard.numel() * size, device=device)
+    shard = torch.zeros(CONTENDED_BYTES // 4 // size, device=device)
+    full = torch.zeros(shard.numel() * size, device=device)
+    waits = collective == "reduce_scatter" and rank == 0
     times = []
     for attempt in range(warmup + 2 * repeats):
         dist.barrier()
         start = time.perf_counter()
         if group is None:
             continue
-        work = dist.all_gather_single(full, shard, group=group, async_op=True)
+        if collective == "all_gather":
+            work = dist.all_gather_single(full, shard, group=group, async_op=True)
+        else:
+            work = dist.reduce_scatter_single(shard, full, group=group, async_op=True)
         done = None
-        while time.perf_counter() < start + host_s:  # the host work, noting when the gather ends
+        while not waits and time.perf_counter() < start + host_s:  # the host work, noting when the gather ends
             if done is None and work.is_completed():
                 done = time.perf_counter()
         work.wait()
@@ -221,7 +264,40 @@ def _first_gather(
             torch.cuda.synchronize(device)
         if attempt >= warmup:
             times.append((done or time.perf_counter()) - start)
-    return [(FIRST_GATHER_BYTES, statistics.median(times))] if times else []
+    return [(CONTENDED_BYTES, statistics.median(times))] if times else []
+
+
+def link_terms(timings: dict[str, Any], group_size: int) -> dict[str, float]:
+    """The cluster's link terms fitted on ``timings`` (``(bytes, seconds)`` per link and size): each link
+    ``time = fixed + bytes / bandwidth``, the reductions' bandwidths as ratios to the all-gathers'."""
+    latency, p2p_bandwidth = _fit([(b, t) for b, t in timings["p2p"]])
+    # ring collectives of B bytes over n ranks: fixed + (n−1)/n · B / bandwidth (all-gather, reduce-scatter),
+    # fixed + 2·(n−1)/n · B / bandwidth (all-reduce); each fitted on its own (gloo sums on the host: its
+    # reduce-scatters take about twice an all-gather's time), the per-call cost from the all-gathers
+    n = group_size
+    fixed, bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["all_gather"]])
+    _, reduce_bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["reduce_scatter"]])
+    _, all_reduce_bandwidth = _fit([(2 * (n - 1) / n * b, t) for b, t in timings["all_reduce"]])
+    return {
+        "intra_node_bandwidth": bandwidth,
+        "latency_s": latency,
+        "p2p_bandwidth_ratio": p2p_bandwidth / bandwidth,
+        "collective_overhead_s": max(fixed - (n - 1) * latency, 0.0),
+        "reduce_bandwidth_ratio": reduce_bandwidth / bandwidth,
+        "all_reduce_bandwidth_ratio": all_reduce_bandwidth / bandwidth,
+    }
+
+
+def link_spread(timings: dict[str, Any], group_size: int) -> dict[str, tuple[float, float]]:
+    """Each link term's lowest and highest value fitted on one round of the links alone (``link_rounds``): how far
+    the calibration's own repetitions disagree, beside the terms fitted on their medians."""
+    by_link = timings["link_rounds"]
+    rounds = len(by_link["p2p"][0][1])
+    fits = [
+        link_terms({name: [(b, seconds[r]) for b, seconds in by_size] for name, by_size in by_link.items()}, group_size)
+        for r in range(rounds)
+    ]
+    return {term: (min(f[term] for f in fits), max(f[term] for f in fits)) for term in fits[0]}
 
 
 def calibrate(
@@ -231,26 +307,24 @@ def calibrate(
     inter_node_bandwidth: float | None = None,
     repeats: int = 10,
     runtime: bool = True,
-) -> tuple[Cluster, dict[str, list[tuple[int, float]]]]:
-    """Measure ``devices`` local processes; return the cluster and the raw timings.
+    link_rounds: int = 3,
+) -> tuple[Cluster, dict[str, Any]]:
+    """Measure ``devices`` local processes; return the cluster and the raw timings (with ``link_spread``: each
+    link term's range over the rounds of the links, which were fitted on each size's median over them).
 
     ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only: seconds, where the
     runtime's six emulated training jobs take minutes).
     """
     if devices < 2 or not 2 <= group_size <= devices:
         raise ValueError("calibration needs at least 2 devices and a group size between 2 and the device count")
+    if link_rounds < 1:
+        raise ValueError(f"calibration needs at least one round of the links, got {link_rounds}")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "timings.json")
-        mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size), nprocs=devices)
+        mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size, link_rounds), nprocs=devices)
         timings = json.loads(Path(out).read_text())
-    latency, p2p_bw = _fit([(b, t) for b, t in timings["p2p"]])
-    # ring collectives of B bytes over n ranks: fixed + (n−1)/n · B / bandwidth (all-gather, reduce-scatter),
-    # fixed + 2·(n−1)/n · B / bandwidth (all-reduce); each fitted on its own (gloo sums on the host: its
-    # reduce-scatters take about twice an all-gather's time), the per-call cost from the all-gathers
-    n = group_size
-    fixed, bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["all_gather"]])
-    _, reduce_bandwidth = _fit([((n - 1) / n * b, t) for b, t in timings["reduce_scatter"]])
-    _, all_reduce_bandwidth = _fit([(2 * (n - 1) / n * b, t) for b, t in timings["all_reduce"]])
+    terms = link_terms(timings, group_size)
+    timings["link_spread"] = link_spread(timings, group_size)
     if memory_bytes is None:
         memory_bytes = (
             torch.cuda.get_device_properties(0).total_memory
@@ -261,29 +335,30 @@ def calibrate(
         num_devices=devices,
         devices_per_node=devices,
         memory_bytes=int(memory_bytes),
-        intra_node_bandwidth=bandwidth,
-        inter_node_bandwidth=inter_node_bandwidth or bandwidth,
-        latency_s=latency,
-        p2p_bandwidth_ratio=p2p_bw / bandwidth,
-        collective_overhead_s=max(fixed - (n - 1) * latency, 0.0),
-        reduce_bandwidth_ratio=reduce_bandwidth / bandwidth,
-        all_reduce_bandwidth_ratio=all_reduce_bandwidth / bandwidth,
+        inter_node_bandwidth=inter_node_bandwidth or terms["intra_node_bandwidth"],
+        **terms,
     )
     if timings["tensor_all_reduce"]:  # the fixed part of a tensor group's all-reduce, as a step pays it
         ((nbytes, seconds),) = timings["tensor_all_reduce"]
-        moved = tensor_all_reduce_s(replace(cluster, collective_overhead_s=0.0), n, nbytes)
+        moved = tensor_all_reduce_s(replace(cluster, collective_overhead_s=0.0), group_size, nbytes)
         cluster = replace(cluster, tensor_collective_overhead_s=max(seconds - moved, 0.0))
     if runtime:
         cluster, costs = measure_runtime(devices, cluster)
-        timings["runtime"] = costs  # type: ignore[assignment]
-    # the step's first gather beside the step's host work as the runtime's costs price it (none without them)
+        timings["runtime"] = costs
+        timings["runtime_spread"] = runtime_spread(costs)
+    # the step's first gather and last reduction beside the step's host work as the runtime's costs price it
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "first_gather.json")
+        out = str(Path(tmp) / "contended.json")
         args = (devices, _free_port(), out, repeats, group_size, cluster.step_overhead_s)
-        mp.spawn(_first_gather_worker, args=args, nprocs=devices)
-        timings["first_gather"] = json.loads(Path(out).read_text())
-    ((nbytes, seconds),) = timings["first_gather"]
-    cluster = replace(cluster, first_gather_slowdown=first_gather_slowdown(cluster, group_size, nbytes, seconds))
+        mp.spawn(_contended_worker, args=args, nprocs=devices)
+        timings.update(json.loads(Path(out).read_text()))
+    ((gathered, gather_s),) = timings["first_gather"]
+    ((reduced, reduce_s),) = timings["last_reduce"]
+    cluster = replace(
+        cluster,
+        first_gather_slowdown=contended_slowdown(cluster, "all_gather", group_size, gathered, gather_s),
+        last_reduce_slowdown=contended_slowdown(cluster, "reduce_scatter", group_size, reduced, reduce_s),
+    )
     return cluster, timings
 
 
@@ -418,6 +493,25 @@ def measure_runtime(
         rows.extend({**row, "data_parallel_action_overhead_s": cost} for row in dp_rows)
         cluster = replace(cluster, data_parallel_action_overhead_s=cost)
     return cluster, rows
+
+
+def runtime_spread(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """The runtime's costs fitted on each round alone (round ``r`` of every layout, which ran one after another)
+    instead of on the layouts' medians over the rounds: each cost's lowest and highest value, how far the
+    calibration's own repetitions disagree. From :func:`measure_runtime`'s rows: the two unreplicated layouts
+    first, the two replicated ones (with ``data_parallel_action_overhead_s``) where measured."""
+    rounds = min(len(row["rounds_s"]) for row in rows)
+    replicated = [row for row in rows if "data_parallel_action_overhead_s" in row]
+    fits: dict[str, list[float]] = {"action_overhead_s": [], "step_overhead_s": []}
+    for r in range(rounds):
+        per_action, per_step = fit_runtime_costs([{**row, "measured_s": row["rounds_s"][r]} for row in rows[:2]])
+        fits["action_overhead_s"].append(per_action)
+        fits["step_overhead_s"].append(per_step)
+        if replicated:
+            this_round = [{**row, "measured_s": row["rounds_s"][r]} for row in replicated]
+            cost = data_parallel_action_cost(this_round, per_action)
+            fits.setdefault("data_parallel_action_overhead_s", []).append(cost)
+    return {term: (min(values), max(values)) for term, values in fits.items()}
 
 
 def _runtime_row(config: Plan, rounds_s: list[float], profile: ModelProfile, links: Cluster) -> dict[str, Any]:

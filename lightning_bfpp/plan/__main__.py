@@ -238,9 +238,12 @@ def run_profile(args: argparse.Namespace) -> None:
 def run_calibrate(args: argparse.Namespace) -> None:
     from lightning_bfpp.measure.calibrate import calibrate
 
-    cluster, _ = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime)
+    cluster, timings = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime)
     cluster.to_json(args.out)
     print(f"wrote {args.out}: {cluster}")
+    if args.timings is not None:  # what the terms were fitted on, and how far the rounds of the links disagree
+        args.timings.write_text(json.dumps(timings, indent=1))
+        print(f"wrote {args.timings}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             help="measure the links only; leave the runtime's per-action and per-step costs at 0",
         )
         parser.add_argument("--out", type=Path, required=True)
+        parser.add_argument("--timings", type=Path, help="also write the raw measurements (JSON) here")
         run_calibrate(parser.parse_args(argv[1:]))
     else:
         parser = argparse.ArgumentParser(

@@ -76,11 +76,14 @@ class Cluster:
     # copies run in every forward and backward of such a stage (``plan calibrate`` measures it on two sharded layouts
     # that differ only in actions)
     data_parallel_action_overhead_s: float = 0.0
-    # how many times longer the step's first gather takes than one group's gather alone: every rank issues it at
-    # once, beside the step's host work, so on a host whose processes share cores (gloo on CPU) every group's
-    # copies and that host work compete for them (2.44 at 16 MiB on 4 processes on 2 cores in one calibration);
-    # about 1 on accelerators. ``plan calibrate`` measures it as a step issues it (:func:`first_gather_slowdown`)
+    # how many times longer the step's first gather and its last gradient reduction take than one group's alone:
+    # every rank issues them at about the same moment, beside the step's host work (its preparation, its
+    # optimizer update), so on a host whose processes share cores (gloo on CPU) every group's copies and sums
+    # and that host work compete for them (at 16 MiB on 4 processes on 2 cores: the gather 2.1–3.0×, the
+    # reduction 1.6–1.8× in one calibration); about 1 on accelerators. ``plan calibrate`` measures both as a step
+    # issues them (:func:`contended_slowdown`)
     first_gather_slowdown: float = 1.0
+    last_reduce_slowdown: float = 1.0
 
     @property
     def num_nodes(self) -> int:
@@ -226,14 +229,16 @@ def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
     )
 
 
-def first_gather_slowdown(cluster: Cluster, group_size: int, nbytes: int, seconds: float) -> float:
-    """The cluster's ``first_gather_slowdown`` from one measurement: a gather of ``nbytes`` over ``group_size``
-    ranks that took ``seconds`` when every group issued it at once beside the step's host work, against what
-    the cluster's links price one group's gather alone at. Not below 1: the measurement is of contention, which
-    only slows a gather, and a host quicker than its fitted links must not make the first gather cheaper than
-    the others."""
-    alone = links(cluster, 1, group_size, "data_pipeline").all_gather_s(0, nbytes)  # one group, the others idle
-    return max(seconds / alone, 1.0)
+def contended_slowdown(cluster: Cluster, collective: str, group_size: int, nbytes: int, seconds: float) -> float:
+    """A contended collective's slowdown (``Cluster.first_gather_slowdown`` for ``"all_gather"``,
+    ``last_reduce_slowdown`` for ``"reduce_scatter"``) from one measurement: ``collective`` of ``nbytes`` over
+    ``group_size`` ranks took ``seconds`` when every group issued it at once beside the step's host work,
+    against what the cluster's links price one group's alone at. Not below 1: the measurement is of contention,
+    which only slows a collective, and a host quicker than its fitted links must not make these two cheaper
+    than the step's others."""
+    net = links(cluster, 1, group_size, "data_pipeline")  # one group, the others idle
+    price = {"all_gather": net.all_gather_s, "reduce_scatter": net.reduce_scatter_s}[collective]
+    return max(seconds / price(0, nbytes), 1.0)
 
 
 def hybrid_groups(cluster: Cluster, ranks: list[int]) -> tuple[int, int]:

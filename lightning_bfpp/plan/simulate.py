@@ -19,7 +19,8 @@ rank by rank, on the ranks the kind's placement gives each stage, with this mode
   ``Cluster.first_gather_slowdown`` times as long, every rank issuing it at once beside the step's host work;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
   (and ``BFPPStrategy`` on gloo by default), or with ``Cluster.overlap_reductions`` runs beside it, as the
-  strategy's overlapped reductions do (the default on CUDA);
+  strategy's overlapped reductions do (the default on CUDA); each rank's last takes
+  ``Cluster.last_reduce_slowdown`` times as long, every rank ending its step with one beside its host work;
 - activations and gradients travel point-to-point when produced, one message at a time per direction of
   each link;
 - every action costs the runtime's host time (``Cluster.action_overhead_s``, and under data parallelism
@@ -195,6 +196,11 @@ def _run(
     for r in ranks:
         r.host = cluster.step_overhead_s
     remaining = sum(len(actions) for actions in schedule.values())
+    # each rank's last reduction, which runs as every rank ends its step (Cluster.last_reduce_slowdown)
+    last_reduce = {
+        rank: max((i for i, a in enumerate(actions) if a.kind is REDUCE_GRAD), default=-1)
+        for rank, actions in schedule.items()
+    }
     while remaining:
         progressed = False
         for rank in range(p):
@@ -265,7 +271,8 @@ def _run(
                 elif a.kind is REDUCE_GRAD:
                     start = max(r.host, r.dp_free)
                     if dp > 1:
-                        end = start + reduce_s(rank, cost.param_bytes)
+                        slowdown = cluster.last_reduce_slowdown if r.cursor == last_reduce[rank] else 1.0
+                        end = start + slowdown * reduce_s(rank, cost.param_bytes)
                         if hybrid:
                             n_s, n_r = shard[rank], net.replicate_size[rank]
                             moved = (n_s - 1) / n_s + 2 * (n_r - 1) / n_r / n_s

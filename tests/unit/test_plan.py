@@ -2,7 +2,9 @@
 the topology model, the search, and the command line."""
 
 import itertools
+import json
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -223,6 +225,29 @@ def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(mon
         calibration.measure_runtime(2, links, rounds=0)
 
 
+def test_the_runtime_costs_range_is_their_fit_on_each_round_alone():
+    """``plan calibrate --timings``: each runtime cost fitted on one round of every layout; a round in which the
+    many-action layout was disturbed shows as the top of the cost per action's range, which the medians drop."""
+    from lightning_bfpp.measure import calibrate as calibration
+
+    def row(actions: float, weight: float, step_weight: float, extra: list[float], **more: float) -> dict:
+        return {"actions": actions, "action_weight": weight, "step_weight": step_weight, "simulated_s": 1.0,
+                "rounds_s": [1.0 + e for e in extra], "measured_s": 1.0 + statistics.median(extra), **more}  # fmt: skip
+
+    # 5 ms per step and 1 ms per action in rounds 0 and 2; round 1 of the second layout 9.6 ms slower
+    rows = [row(16, 22, 1, [0.027, 0.027, 0.027]), row(64, 70, 1, [0.075, 0.0846, 0.075])]
+    # the replicated layouts: 0.5 ms per action more (round 2: 1 ms), their per-step cost left out
+    replicated = [row(16, 22, 0, [0.033, 0.033, 0.033]), row(64, 70, 0, [0.105, 0.105, 0.129])]
+    spread = calibration.runtime_spread(rows + [{**r, "data_parallel_action_overhead_s": 0.0} for r in replicated])
+    # round 1 alone: 1.2 ms per action and 0.6 ms per step
+    assert spread["action_overhead_s"] == pytest.approx((0.001, 0.0012))
+    assert spread["step_overhead_s"] == pytest.approx((0.0006, 0.005))
+    # per round 1.5, 1.5 and 2 ms per replicated action, less that round's unreplicated cost
+    assert spread["data_parallel_action_overhead_s"] == pytest.approx((0.0003, 0.001))
+    assert calibration.fit_runtime_costs(rows) == pytest.approx((0.001, 0.005))  # the medians: round 1 dropped
+    assert "data_parallel_action_overhead_s" not in calibration.runtime_spread(rows)
+
+
 def test_the_first_gather_runs_beside_the_steps_host_work():
     # one stage of 600 bytes over dp=2: a gather takes 3 s (300 of 600 bytes at 100 B/s), the step's host work 5 s
     profile = uniform(2, 1.0, 2.0, 300, 1, 1, optimizer_state_ratio=0.0)
@@ -257,20 +282,77 @@ def test_only_the_steps_first_gather_pays_the_contention_of_every_rank_gathering
     assert simulate(alone, profile, contended).step_time == simulate(alone, profile, busy).step_time
 
 
-def test_the_first_gathers_slowdown_is_its_measured_time_over_the_links_price():
-    from lightning_bfpp.plan.cluster import first_gather_slowdown
+def test_only_each_ranks_last_reduction_pays_the_contention_of_every_rank_ending_its_step():
+    # two stages per rank of 600 bytes over dp=2, blocking reductions: each reduce-scatter takes 3 s (300 of 600
+    # bytes at 100 B/s), each rank's last 2× that
+    profile = uniform(4, 1.0, 2.0, 300, 1, 1, optimizer_state_ratio=0.0)
+    quiet = Cluster(2, 2, 2**40, 100.0, 100.0, latency_s=0.0)
+    contended = replace(quiet, last_reduce_slowdown=2.0)
+    config = Plan("breadth_first", 1, 2, 2, 1, 1, sharding="full_shard")
+    reductions = [s.duration for s in simulate(config, profile, contended).spans if s.kind == "reduce"]
+    assert reductions == pytest.approx([3.0, 6.0])  # the stage reduced last, at the step's end
+    step = simulate(config, profile, quiet).step_time
+    assert simulate(config, profile, contended).step_time == pytest.approx(step + 3)
+    # without replicas there is nothing to reduce, and nothing changes
+    alone = Plan("breadth_first", 1, 1, 2, 1, 1)
+    assert simulate(alone, profile, contended).step_time == simulate(alone, profile, quiet).step_time
 
-    # 16 MiB over 2 ranks at 1 GB/s with 1 ms per call: 1 ms + 8 MiB / 1 GB/s ≈ 9.39 ms alone
-    cluster = Cluster(4, 4, 2**40, 1e9, 1e9, latency_s=0.0, collective_overhead_s=1e-3)
-    alone = 1e-3 + (8 << 20) / 1e9
-    assert first_gather_slowdown(cluster, 2, 16 << 20, 3 * alone) == pytest.approx(3.0)
-    # a host quicker than its fitted links does not make the first gather cheaper than the others
-    assert first_gather_slowdown(cluster, 2, 16 << 20, 0.5 * alone) == 1.0
+
+def test_the_links_are_fitted_on_each_sizes_median_over_rounds_and_a_slow_round_only_widens_the_spread():
+    """``calibrate`` sweeps every link's sizes ``link_rounds`` times: one slow spell of the shared host (here a
+    round with a third of the bandwidth) moves the fitted terms not at all and shows in their spread."""
+    from lightning_bfpp.measure import calibrate as calibration
+
+    def seconds(nbytes: int, bandwidth: float, factor: float) -> float:  # ring over 2 ranks: half the bytes move
+        return 1e-3 + factor * nbytes / 2 / bandwidth
+
+    sizes = calibration.SIZES
+    rounds = {
+        name: [(b, [seconds(b, bw, 1.0), seconds(b, bw / 3, 1.0), seconds(b, bw, 1.02)]) for b in sizes]
+        for name, bw in (("p2p", 4e9), ("all_gather", 1e9), ("reduce_scatter", 0.5e9), ("all_reduce", 1e9))
+    }
+    rounds["p2p"] = [(b, [2 * t - 1e-3 for t in ts]) for b, ts in rounds["p2p"]]  # the whole message, one latency
+    medians = {name: [(b, statistics.median(ts)) for b, ts in by_size] for name, by_size in rounds.items()}
+    timings = {**medians, "link_rounds": rounds}
+    terms = calibration.link_terms(timings, 2)
+    assert terms["intra_node_bandwidth"] == pytest.approx(1e9 / 1.02)
+    assert terms["reduce_bandwidth_ratio"] == pytest.approx(0.5)
+    assert terms["all_reduce_bandwidth_ratio"] == pytest.approx(2.0)  # twice the bytes in the same time
+    spread = calibration.link_spread(timings, 2)
+    assert spread["intra_node_bandwidth"] == pytest.approx((1e9 / 3, 1e9))
+    assert spread["reduce_bandwidth_ratio"] == pytest.approx((0.5, 0.5))  # the slow round slowed every link alike
 
 
-def test_the_first_gather_is_timed_from_the_call_to_its_end_while_the_host_works(tmp_path):
-    """``calibrate``'s measurement on a one-process gloo group: torch's async gather, polled while the host works,
-    then waited for (the calls the calibration relies on)."""
+def test_a_contended_collectives_slowdown_is_its_measured_time_over_the_links_price():
+    from lightning_bfpp.plan.cluster import contended_slowdown
+
+    # 16 MiB over 2 ranks at 1 GB/s with 1 ms per call: 1 ms + 8 MiB / 1 GB/s ≈ 9.39 ms for a gather alone, and a
+    # reduce-scatter at half the bandwidth 1 ms + 8 MiB / 0.5 GB/s
+    cluster = Cluster(4, 4, 2**40, 1e9, 1e9, latency_s=0.0, collective_overhead_s=1e-3, reduce_bandwidth_ratio=0.5)
+    gather, reduce = 1e-3 + (8 << 20) / 1e9, 1e-3 + (8 << 20) / 0.5e9
+    assert contended_slowdown(cluster, "all_gather", 2, 16 << 20, 3 * gather) == pytest.approx(3.0)
+    assert contended_slowdown(cluster, "reduce_scatter", 2, 16 << 20, 3 * gather) == pytest.approx(3 * gather / reduce)
+    # a host quicker than its fitted links does not make these collectives cheaper than the others
+    assert contended_slowdown(cluster, "all_gather", 2, 16 << 20, 0.5 * gather) == 1.0
+    assert contended_slowdown(cluster, "reduce_scatter", 2, 16 << 20, 0.5 * reduce) == 1.0
+
+
+def test_calibrate_writes_the_cluster_and_with_timings_what_it_was_fitted_on(tmp_path, monkeypatch, capsys):
+    from lightning_bfpp.measure import calibrate as calibration
+
+    cluster = Cluster(2, 2, 2**30, 1e9, 1e9, last_reduce_slowdown=1.5)
+    timings = {"link_spread": {"reduce_bandwidth_ratio": [0.4, 0.6]}}
+    monkeypatch.setattr(calibration, "calibrate", lambda devices, group_size, runtime: (cluster, timings))
+    main(["calibrate", "--devices", "2", "--no-runtime", "--out", str(tmp_path / "c.json"),
+          "--timings", str(tmp_path / "t.json")])  # fmt: skip
+    assert Cluster.from_json(tmp_path / "c.json") == cluster
+    assert json.loads((tmp_path / "t.json").read_text()) == timings
+    assert "t.json" in capsys.readouterr().out
+
+
+def test_the_links_collective_calls_run_on_a_gloo_group(tmp_path):
+    """The calls ``calibrate`` times for each collective (torch's ``all_gather_single``, ``reduce_scatter_single``
+    and ``all_reduce``), on a one-process gloo group; the ping-pong needs two processes and is left out."""
     import torch
     import torch.distributed as dist
 
@@ -278,12 +360,33 @@ def test_the_first_gather_is_timed_from_the_call_to_its_end_while_the_host_works
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        timings = calibration._first_gather(0, 1, 1, 1, torch.device("cpu"), False, host_s=0.5, warmup=0)
+        calls = calibration._link_calls(0, dist.group.WORLD, 1, 4 << 10, torch.device("cpu"))
+        assert set(calls) == set(calibration.LINKS) and calls["p2p"][1] == 2
+        for name in ("all_gather", "reduce_scatter", "all_reduce"):
+            fn, transfers = calls[name]
+            assert transfers == 1
+            fn()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_a_contended_collective_is_timed_from_the_call_to_its_end_while_the_host_works(tmp_path, collective):
+    """``calibrate``'s measurement on a one-process gloo group: torch's async gather, polled while the host works,
+    and its async reduce-scatter, waited for at once (the calls the calibration relies on)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_bfpp.measure import calibrate as calibration
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        timings = calibration._contended(0, 1, 1, 1, torch.device("cpu"), False, 0.5, collective, warmup=0)
     finally:
         dist.destroy_process_group()
     ((nbytes, seconds),) = timings
-    assert nbytes == calibration.FIRST_GATHER_BYTES
-    assert 0 < seconds < 0.5  # noted while the host worked: a copy of 16 MiB in one process ends long before
+    assert nbytes == calibration.CONTENDED_BYTES
+    assert 0 < seconds < 0.5  # noted while the host worked: 16 MiB in one process ends long before
 
 
 def test_the_runtime_calibration_recovers_the_data_parallel_cost_per_action_from_two_steps():
