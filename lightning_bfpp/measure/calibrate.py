@@ -309,8 +309,9 @@ def calibrate(
     runtime: bool = True,
     link_rounds: int = 3,
 ) -> tuple[Cluster, dict[str, Any]]:
-    """Measure ``devices`` local processes; return the cluster and the raw timings (with ``link_spread``: each
-    link term's range over the rounds of the links, which were fitted on each size's median over them).
+    """Measure ``devices`` local processes; return the cluster and the raw timings, with ``link_spread`` (each
+    link term's range over the ``link_rounds`` sweeps, the terms being fitted on each size's median over them)
+    and, with the runtime, ``runtime_spread`` (each runtime cost's range over the layouts' rounds).
 
     ``runtime=False`` leaves the runtime's per-action and per-step costs at 0 (links only: seconds, where the
     runtime's six emulated training jobs take minutes).

@@ -232,10 +232,10 @@ def links(cluster: Cluster, p: int, dp: int, mesh_order: str) -> Links:
 def contended_slowdown(cluster: Cluster, collective: str, group_size: int, nbytes: int, seconds: float) -> float:
     """A contended collective's slowdown (``Cluster.first_gather_slowdown`` for ``"all_gather"``,
     ``last_reduce_slowdown`` for ``"reduce_scatter"``) from one measurement: ``collective`` of ``nbytes`` over
-    ``group_size`` ranks took ``seconds`` when every group issued it at once beside the step's host work,
-    against what the cluster's links price one group's alone at. Not below 1: the measurement is of contention,
-    which only slows a collective, and a host quicker than its fitted links must not make these two cheaper
-    than the step's others."""
+    ``group_size`` ranks took ``seconds`` when every group issued it at once beside the step's host work (as
+    ``plan calibrate`` runs it), against what the cluster's links price one group's alone at. Not below 1: the
+    measurement is of contention, which only slows a collective, and a host quicker than its fitted links must
+    not make these two cheaper than the step's others."""
     net = links(cluster, 1, group_size, "data_pipeline")  # one group, the others idle
     price = {"all_gather": net.all_gather_s, "reduce_scatter": net.reduce_scatter_s}[collective]
     return max(seconds / price(0, nbytes), 1.0)
