@@ -136,15 +136,8 @@ def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size
                 measured[name][i].append(_time(fn, repeats, cuda) / per_call)
     tensor = _tensor_all_reduce(rank, world, group_size, repeats, device, cuda)
     if rank == 0:
-        timings: dict[str, Any] = {
-            name: [(nbytes, statistics.median(seconds)) for nbytes, seconds in zip(SIZES, by_size, strict=True)]
-            for name, by_size in measured.items()
-        }
-        timings["link_rounds"] = {
-            name: [(nbytes, seconds) for nbytes, seconds in zip(SIZES, by_size, strict=True)]
-            for name, by_size in measured.items()
-        }
-        timings["tensor_all_reduce"] = tensor
+        rounds_by_link = {name: list(zip(SIZES, by_size, strict=True)) for name, by_size in measured.items()}
+        timings = {"link_rounds": rounds_by_link, "tensor_all_reduce": tensor}
         Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
 
@@ -288,14 +281,18 @@ def link_terms(timings: dict[str, Any], group_size: int) -> dict[str, float]:
     }
 
 
-def link_spread(timings: dict[str, Any], group_size: int) -> dict[str, tuple[float, float]]:
-    """Each link term's lowest and highest value fitted on one round of the links alone (``link_rounds``): how far
+def link_timings(rounds_by_link: dict[str, Any], pick: Callable[[list[float]], float]) -> dict[str, Any]:
+    """``(bytes, seconds)`` per link and size from each size's seconds over the sweeps (``link_rounds``), one
+    value picked from them: their median, for the fit, or one sweep's, for its spread."""
+    return {name: [(b, pick(seconds)) for b, seconds in by_size] for name, by_size in rounds_by_link.items()}
+
+
+def link_spread(rounds_by_link: dict[str, Any], group_size: int) -> dict[str, tuple[float, float]]:
+    """Each link term's lowest and highest value fitted on one sweep of the links alone (``link_rounds``): how far
     the calibration's own repetitions disagree, beside the terms fitted on their medians."""
-    by_link = timings["link_rounds"]
-    rounds = len(by_link["p2p"][0][1])
+    rounds = len(rounds_by_link["p2p"][0][1])
     fits = [
-        link_terms({name: [(b, seconds[r]) for b, seconds in by_size] for name, by_size in by_link.items()}, group_size)
-        for r in range(rounds)
+        link_terms(link_timings(rounds_by_link, lambda seconds, r=r: seconds[r]), group_size) for r in range(rounds)
     ]
     return {term: (min(f[term] for f in fits), max(f[term] for f in fits)) for term in fits[0]}
 
@@ -324,8 +321,9 @@ def calibrate(
         out = str(Path(tmp) / "timings.json")
         mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size, link_rounds), nprocs=devices)
         timings = json.loads(Path(out).read_text())
+    timings.update(link_timings(timings["link_rounds"], statistics.median))
     terms = link_terms(timings, group_size)
-    timings["link_spread"] = link_spread(timings, group_size)
+    timings["link_spread"] = link_spread(timings["link_rounds"], group_size)
     if memory_bytes is None:
         memory_bytes = (
             torch.cuda.get_device_properties(0).total_memory
@@ -502,15 +500,15 @@ def runtime_spread(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]
     calibration's own repetitions disagree. From :func:`measure_runtime`'s rows: the two unreplicated layouts
     first, the two replicated ones (with ``data_parallel_action_overhead_s``) where measured."""
     rounds = min(len(row["rounds_s"]) for row in rows)
-    replicated = [row for row in rows if "data_parallel_action_overhead_s" in row]
     fits: dict[str, list[float]] = {"action_overhead_s": [], "step_overhead_s": []}
     for r in range(rounds):
-        per_action, per_step = fit_runtime_costs([{**row, "measured_s": row["rounds_s"][r]} for row in rows[:2]])
+        this_round = [{**row, "measured_s": row["rounds_s"][r]} for row in rows]
+        per_action, per_step = fit_runtime_costs(this_round[:2])
         fits["action_overhead_s"].append(per_action)
         fits["step_overhead_s"].append(per_step)
+        replicated = [row for row in this_round if "data_parallel_action_overhead_s" in row]
         if replicated:
-            this_round = [{**row, "measured_s": row["rounds_s"][r]} for row in replicated]
-            cost = data_parallel_action_cost(this_round, per_action)
+            cost = data_parallel_action_cost(replicated, per_action)
             fits.setdefault("data_parallel_action_overhead_s", []).append(cost)
     return {term: (min(values), max(values)) for term, values in fits.items()}
 

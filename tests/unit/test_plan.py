@@ -312,13 +312,11 @@ def test_the_links_are_fitted_on_each_sizes_median_over_rounds_and_a_slow_round_
         for name, bw in (("p2p", 4e9), ("all_gather", 1e9), ("reduce_scatter", 0.5e9), ("all_reduce", 1e9))
     }
     rounds["p2p"] = [(b, [2 * t - 1e-3 for t in ts]) for b, ts in rounds["p2p"]]  # the whole message, one latency
-    medians = {name: [(b, statistics.median(ts)) for b, ts in by_size] for name, by_size in rounds.items()}
-    timings = {**medians, "link_rounds": rounds}
-    terms = calibration.link_terms(timings, 2)
+    terms = calibration.link_terms(calibration.link_timings(rounds, statistics.median), 2)
     assert terms["intra_node_bandwidth"] == pytest.approx(1e9 / 1.02)
     assert terms["reduce_bandwidth_ratio"] == pytest.approx(0.5)
     assert terms["all_reduce_bandwidth_ratio"] == pytest.approx(2.0)  # twice the bytes in the same time
-    spread = calibration.link_spread(timings, 2)
+    spread = calibration.link_spread(rounds, 2)
     assert spread["intra_node_bandwidth"] == pytest.approx((1e9 / 3, 1e9))
     assert spread["reduce_bandwidth_ratio"] == pytest.approx((0.5, 0.5))  # the slow round slowed every link alike
 
