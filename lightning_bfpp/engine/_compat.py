@@ -17,39 +17,85 @@ Lightning or ``transformers``.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed.pipelining.schedules as _torch_schedules
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _FSDPReduceScatter
-from torch.distributed.pipelining._backward import stage_backward_input as _stage_backward_input
-from torch.distributed.pipelining._backward import stage_backward_weight as _stage_backward_weight
-from torch.distributed.pipelining._utils import PipeliningMetadataError as PipeliningMetadataError
-from torch.distributed.pipelining.schedules import (
-    _Action as TorchAction,
-)
-from torch.distributed.pipelining.schedules import (
-    _add_send_recv as add_send_recv,
-)
-from torch.distributed.pipelining.schedules import (
-    _ComputationType as TorchKind,
-)
-from torch.distributed.pipelining.schedules import (
-    _format_pipeline_order as format_torch_schedule,
-)
-from torch.distributed.pipelining.schedules import (
-    _PipelineScheduleRuntime as PipelineScheduleRuntime,
-)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+# the torch releases this package is tested on (CI runs the oldest and the newest), and the oldest it runs on
+SUPPORTED_TORCH = ((2, 13), (2, 14), (2, 15))
+# what pip should be asked for, named in every refusal
+TORCH_REQUIREMENT = "torch>=2.13,<2.16"
+
+_MISSING: list[str] = []  # private names the installed torch does not have (private_api_problems)
+
+
+class _Absent(type):
+    """The metaclass of a stand-in for a missing private name: attribute access and subclassing still work at
+    import time, so the package imports and :func:`check_torch_version` can name what is missing."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"lightning_bfpp: torch {torch.__version__} has no {cls.__qualname__}; {_FIX}")
+
+
+def _private(*places: str) -> Any:
+    """The first of ``places`` (``"module:name"``) the installed torch has. torch moves private names between
+    modules (e.g. its schedule lowering passes towards ``pipelining/runtime.py``), so each lookup may name several;
+    a name found nowhere is recorded and stands in as an :class:`_Absent` class."""
+    for place in places:
+        module_name, _, name = place.partition(":")
+        try:
+            value: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for part in name.split("."):
+            value = getattr(value, part, _NOT_FOUND)
+        if value is not _NOT_FOUND:
+            return value
+    _MISSING.append(" or ".join(places))
+    return _Absent(places[0].rpartition(":")[2], (), {})
+
+
+_NOT_FOUND = object()
+_FIX = f"install a tested release: pip install '{TORCH_REQUIREMENT}'"
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_RUNTIME = "torch.distributed.pipelining.runtime"
+
+ReplicateModule = _private("torch.distributed._composable.replicate_with_fsdp:ReplicateModule")
+replicate = _private("torch.distributed._composable.replicate_with_fsdp:replicate")
+EmptyStateDictLoadPlanner = _private("torch.distributed.checkpoint.format_utils:_EmptyStateDictLoadPlanner")
+_FSDPReduceScatter = _private("torch.distributed.fsdp._fully_shard._fsdp_collectives:DefaultReduceScatter")
+_stage_backward_input = _private("torch.distributed.pipelining._backward:stage_backward_input")
+_stage_backward_weight = _private("torch.distributed.pipelining._backward:stage_backward_weight")
+PipeliningMetadataError = _private("torch.distributed.pipelining._utils:PipeliningMetadataError")
+TorchAction = _private(f"{_SCHEDULES}:_Action")
+TorchKind = _private(f"{_SCHEDULES}:_ComputationType")
+add_send_recv = _private(f"{_SCHEDULES}:_add_send_recv", f"{_RUNTIME}:_add_send_recv")
+format_torch_schedule = _private(f"{_SCHEDULES}:_format_pipeline_order", f"{_RUNTIME}:_format_pipeline_order")
+PipelineScheduleRuntime = _private(f"{_SCHEDULES}:_PipelineScheduleRuntime", f"{_RUNTIME}:_PipelineScheduleRuntime")
+
+# torch ≥ 2.15's runtime retires every send and every gradient reduction with an action of its own
+# (WAIT_SEND_F / WAIT_SEND_B / WAIT_REDUCE_GRAD); lightning_bfpp.engine.torch_ir writes them, or leaves them out
+TORCH_WAIT_ACTIONS = hasattr(TorchKind, "WAIT_REDUCE_GRAD")
+# torch ≥ 2.15's FSDP2 lets the caller end a backward iteration (public: `FSDPModule.finalize_backward`, returning
+# a `GradientReductionHandle`), and `PipelineStage`'s forward switches a stage to it; before, only FSDP2's private
+# post-backward and root callback could (fsdp_post_backward, fsdp_finish_backward)
+MANUAL_BACKWARD_FINALIZATION = hasattr(FSDPModule, "finalize_backward")
 
 # torch's own functions at import time, to tell whether something replaced them (see runtime_is_hooked)
 _RECORD_FUNCTION, _WAIT_P2P = _torch_schedules.record_function, _torch_schedules._wait_batch_p2p
@@ -65,13 +111,67 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def private_api_problems() -> list[str]:
+    """What the installed torch lacks of the private API this module drives: the names it imports, the methods and
+    attributes of torch's classes and modules it calls or replaces, the action types it writes. Empty on every
+    tested release (``tests/unit/test_compat.py`` checks it, beside running that API for real)."""
+    problems = [f"{place} is missing" for place in _MISSING]
+    expected = {
+        PipelineScheduleRuntime: ("_prepare_schedule_with_comms", "_step_microbatches", "_initialize_stages",
+                                  "register_custom_function", "_assert_unsharded", "_validate_and_set_stage_mapping"),
+        _private("torch.distributed.pipelining:PipelineStage"): ("forward_one_chunk", "backward_one_chunk",
+                                                                 "clear_runtime_states"),
+        _torch_schedules: ("record_function", "_wait_batch_p2p"),
+        TorchKind: ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "UNSHARD", "RESHARD",
+                    "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B"),
+        _private("torch.distributed.device_mesh:DeviceMesh"): ("_unflatten",),
+        FSDPModule: ("set_requires_gradient_sync", "set_reshard_after_backward", "set_is_last_backward", "unshard",
+                     "reshard", "set_custom_reduce_scatter"),
+    }  # fmt: skip
+    if TORCH_WAIT_ACTIONS:  # the 2.15 runtime's waits, and FSDP2's public finalization beside them
+        expected[TorchKind] += ("WAIT_SEND_F", "WAIT_SEND_B")
+        expected[FSDPModule] += ("finalize_backward", "set_manual_backward_finalization")
+    else:  # before: FSDP2's private post-backward (fsdp_post_backward)
+        state = _private("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState")
+        expected[state] = ("_root_post_backward_final_callback",)
+        expected[_private("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup")] = ("post_backward",)
+    for owner, names in expected.items():
+        if isinstance(owner, _Absent):
+            continue  # already reported as missing
+        label = getattr(owner, "__qualname__", None) or owner.__name__
+        problems += [f"{label}.{name} is missing" for name in names if not hasattr(owner, name)]
+    try:
+        parameters = inspect.signature(add_send_recv).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    problems += [f"_add_send_recv takes no {n!r}" for n in ("stage_to_rank", "num_stages") if n not in parameters]
+    return problems
+
+
 def check_torch_version() -> None:
-    """Refuse torch releases whose private pipelining API has not been tested with this package."""
-    if torch_version() not in SUPPORTED_TORCH:
-        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
+    """Refuse a torch older than supported, and a newer one whose private API (:func:`private_api_problems`) has
+    changed, each with what to install; warn on a newer one that still has everything."""
+    version = torch_version()
+    tested = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
+    if version < SUPPORTED_TORCH[0]:
         raise ImportError(
-            f"lightning_bfpp runs on torch.distributed.pipelining's private schedule runtime, tested on torch"
-            f" {supported}; this is torch {torch.__version__}. Install a supported torch release."
+            f"lightning_bfpp needs torch {SUPPORTED_TORCH[0][0]}.{SUPPORTED_TORCH[0][1]} or newer (tested on torch"
+            f" {tested}); this is torch {torch.__version__}. Install a supported release: pip install"
+            f" '{TORCH_REQUIREMENT}'."
+        )
+    problems = private_api_problems()
+    if problems:
+        raise ImportError(
+            f"lightning_bfpp runs torch.distributed.pipelining's private schedule runtime, tested on torch {tested};"
+            f" torch {torch.__version__} has changed what it relies on: {'; '.join(problems)}. Install a tested"
+            f" release: pip install '{TORCH_REQUIREMENT}'."
+        )
+    if version > SUPPORTED_TORCH[-1]:
+        warnings.warn(
+            f"lightning_bfpp is tested on torch {tested}; this is torch {torch.__version__}. The private pipelining"
+            f" API it relies on is all there, but untested behaviour may differ; if a step fails, install a tested"
+            f" release: pip install '{TORCH_REQUIREMENT}'.",
+            stacklevel=2,
         )
 
 
@@ -116,17 +216,30 @@ class PipelineRuntime(PipelineScheduleRuntime):
                 f" the plan on {dict(stage_to_rank)}."
             )
 
-    def replace_gradient_reduction(self, reduce: Callable[[int], bool]) -> None:
-        """Run ``reduce(stage_index)`` for each ``REDUCE_GRAD`` action instead of torch's synchronous reduction,
-        through torch's own ``register_custom_function``. ``reduce`` returns whether it also reshards the stage
-        (FSDP2's post-backward does when asked to), in which case the stage's next ``RESHARD`` only updates the
-        runtime's record of unsharded stages instead of touching the stage while its reduction may still run.
+    def replace_gradient_reduction(self, reduce: Callable[[int], bool], wait: Callable[[int], None]) -> None:
+        """Run ``reduce(stage_index)`` for each ``REDUCE_GRAD`` action instead of torch's own reduction, and
+        ``wait(stage_index)`` for each ``WAIT_REDUCE_GRAD``, through torch's own ``register_custom_function``.
+        ``reduce`` returns whether it also reshards the stage (FSDP2's post-backward does when asked to), in
+        which case the stage's next ``RESHARD`` only updates the runtime's record of unsharded stages instead of
+        touching the stage while its reduction may still run.
+
+        Before torch 2.15 the lists carry no ``WAIT_REDUCE_GRAD`` (:mod:`lightning_bfpp.engine.torch_ir`): the
+        wait the plan puts just before a rank's next ``REDUCE_GRAD`` runs at the start of that action instead, and
+        the list's last one is the caller's, after the step (``GradientReductions.finish``).
         """
         resharded_by_reduction: set[int] = set()
+        pending: list[int] = []  # before 2.15: the stage whose reduction the plan's next wait retires
 
         def reduce_grad(action: TorchAction, ctx: Any) -> None:
+            if not TORCH_WAIT_ACTIONS:
+                if pending:
+                    wait(pending.pop())
+                pending.append(action.stage_index)
             if reduce(action.stage_index):
                 resharded_by_reduction.add(action.stage_index)
+
+        def wait_reduce_grad(action: TorchAction, ctx: Any) -> None:
+            wait(action.stage_index)
 
         def reshard(action: TorchAction, ctx: Any) -> None:
             stage_index = action.stage_index
@@ -143,6 +256,8 @@ class PipelineRuntime(PipelineScheduleRuntime):
 
         self.register_custom_function(TorchKind.REDUCE_GRAD, reduce_grad)
         self.register_custom_function(TorchKind.RESHARD, reshard)
+        if TORCH_WAIT_ACTIONS:
+            self.register_custom_function(TorchKind.WAIT_REDUCE_GRAD, wait_reduce_grad)
 
     @property
     def stages(self) -> list[Any]:
@@ -255,11 +370,41 @@ class ReduceScatterOn(_FSDPReduceScatter):
         return super().__call__(output_tensor, input_tensor, self.group, op, async_op)
 
 
+def start_gradient_reduction(module: Any) -> Callable[[], None]:
+    """Start reducing an FSDP2 stage's gradients accumulated over the step's micro-batches, and reshard it; returns
+    the wait, after which the gradients are complete (on CUDA: the compute stream waits for the reduction there,
+    not before).
+
+    torch ≥ 2.15: FSDP2's public manual finalization, as ``PipelineStage.start_gradient_reduction`` and
+    ``wait_for_gradient_reduction`` use it (the stage's forward switched the module to it). Before: the private
+    post-backward of every parameter group, with the root's final callback deferred to the wait
+    (:func:`fsdp_post_backward`, :func:`fsdp_finish_backward`; the only reason those two still exist).
+    """
+    if MANUAL_BACKWARD_FINALIZATION:
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
+        handle = module.finalize_backward(async_op=True)
+
+        def wait() -> None:
+            handle.wait()
+            module.set_manual_backward_finalization(False)  # as torch's stage does after its wait
+
+        return wait
+    fsdp_post_backward(module, final=False)
+    return partial(fsdp_finish_backward, module)
+
+
+def reduce_gradients(module: Any) -> None:
+    """:func:`start_gradient_reduction` and its wait, at once (a communication thread's whole job)."""
+    start_gradient_reduction(module)()
+
+
 def fsdp_post_backward(module: Any, *, final: bool = True) -> None:
-    """What torch's ``REDUCE_GRAD`` does for an FSDP2 stage (``PipelineStage.perform_reduce_grad``): reduce the
-    gradients accumulated over the step's micro-batches and reshard. ``final=False`` leaves out the root's final
-    callback, which on CUDA makes the compute stream wait for the reduction (run it later with
-    :func:`fsdp_finish_backward`)."""
+    """torch < 2.15: what torch's ``REDUCE_GRAD`` does for an FSDP2 stage (``PipelineStage.perform_reduce_grad``):
+    reduce the gradients accumulated over the step's micro-batches and reshard. ``final=False`` leaves out the
+    root's final callback, which on CUDA makes the compute stream wait for the reduction (run it later with
+    :func:`fsdp_finish_backward`). On torch ≥ 2.15 the stage's forward switches FSDP2 to manual finalization, under
+    which that callback no longer ends the backward: use :func:`start_gradient_reduction`."""
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
@@ -272,7 +417,8 @@ def fsdp_post_backward(module: Any, *, final: bool = True) -> None:
 
 
 def fsdp_finish_backward(module: Any) -> None:
-    """The root's end-of-backward callback: wait for the reductions (on the compute stream) and reset state."""
+    """torch < 2.15: the root's end-of-backward callback: wait for the reductions (on the compute stream) and reset
+    state."""
     _fsdp_state_of(module)._root_post_backward_final_callback()
 
 
@@ -423,7 +569,10 @@ def read_whole_dcp(reader: Any, planner: Any) -> dict[str, Any]:
 
 
 __all__ = [
+    "MANUAL_BACKWARD_FINALIZATION",
     "SUPPORTED_TORCH",
+    "TORCH_REQUIREMENT",
+    "TORCH_WAIT_ACTIONS",
     "_METADATA_FILENAME",
     "CollectiveCounter",
     "EmptyStateDictLoadPlanner",
@@ -448,9 +597,12 @@ __all__ = [
     "kept_for_weight_pass",
     "parameter_slots",
     "parameters_replaced",
+    "private_api_problems",
     "read_whole_dcp",
+    "reduce_gradients",
     "replicate",
     "runtime_is_hooked",
+    "start_gradient_reduction",
     "torch_version",
     "tree_flatten",
     "tree_unflatten",

@@ -8,13 +8,16 @@ blocking call, stops the host until the reduction is done.
 
 :class:`GradientReductions` replaces the action (through the runtime's ``register_custom_function``):
 
-- ``"stream"`` (CUDA): post-backward only, which issues the reduce-scatter on FSDP2's reduction stream;
-  the final callbacks, where the compute stream waits, run once after the schedule's last action
-  (:meth:`GradientReductions.finish`), before clipping and the optimizer step.
+- ``"stream"`` (CUDA): ``REDUCE_GRAD`` issues the reduce-scatter on FSDP2's reduction stream and returns; the
+  compute stream waits for it only at the stage's ``WAIT_REDUCE_GRAD``, which the plan puts just before the rank's
+  next ``REDUCE_GRAD`` (a whole backward sweep later, under breadth-first) or at the end of the list.
 - ``"thread"`` (gloo and other host-blocking backends): the whole reduction runs on one communication
   thread, in the schedule's order, on a process group of its own over the same ranks (the main thread's
-  gathers keep theirs, so no group sees the two interleaved differently on different ranks); ``finish``
-  joins it.
+  gathers keep theirs, so no group sees the two interleaved differently on different ranks); the stage's
+  ``WAIT_REDUCE_GRAD`` joins it.
+
+:meth:`GradientReductions.finish` waits for whatever is still pending when the schedule ends (before torch 2.15,
+whose lists carry no wait actions, the last reduction), before clipping and the optimizer step.
 
 The stage's ``RESHARD`` that follows ``REDUCE_GRAD`` is left to the reduction (FSDP2's post-backward
 reshards), so the main thread never touches a stage whose reduction may still be running.
@@ -22,13 +25,13 @@ reshards), so the main thread never touches a stage whose reduction may still be
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 from torch import nn
 
-from lightning_bfpp.engine._compat import fsdp_finish_backward, fsdp_post_backward
+from lightning_bfpp.engine._compat import reduce_gradients, start_gradient_reduction
 
 Mode = Literal["stream", "thread"]
 Setting = bool | Literal["auto", "stream", "thread"]
@@ -55,36 +58,53 @@ def overlap_mode(setting: Setting, device_type: str, data_parallel_size: int, sh
 
 
 class GradientReductions:
-    """Issues stage reductions as the schedule reaches them and waits for them all at :meth:`finish`."""
+    """Issues stage reductions as the schedule reaches them and waits for each at its ``WAIT_REDUCE_GRAD``.
 
-    def __init__(self, stage_modules: Mapping[int, nn.Module], mode: Mode) -> None:
+    ``log``, if given, receives ``"reduce <stage>"`` when a reduction starts and ``"reduced <stage>"`` when its wait
+    returns (the order the tests check: no optimizer step before the last ``reduced``)."""
+
+    def __init__(self, stage_modules: Mapping[int, nn.Module], mode: Mode, log: list[str] | None = None) -> None:
         self.stage_modules = dict(stage_modules)
         self.mode = mode
+        self.log = log
         self._executor: ThreadPoolExecutor | None = None  # the communication thread, started on first use
-        self._pending: list[tuple[int, Future[None] | None]] = []
+        self._pending: dict[int, Callable[[], None]] = {}  # stage -> its wait, in the order they were issued
 
     def reduce(self, stage_index: int) -> bool:
         """Start reducing ``stage_index``'s gradients; returns True (the reduction reshards the stage)."""
+        if stage_index in self._pending:
+            raise RuntimeError(f"lightning_bfpp: stage {stage_index}'s gradients reduced twice in one step")
         module = self.stage_modules[stage_index]
+        if self.log is not None:
+            self.log.append(f"reduce {stage_index}")
         if self.mode == "thread":
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="bfpp-reduce")
-            self._pending.append((stage_index, self._executor.submit(fsdp_post_backward, module)))
+            future: Future[None] = self._executor.submit(reduce_gradients, module)
+            self._pending[stage_index] = future.result
         else:
-            fsdp_post_backward(module, final=False)
-            self._pending.append((stage_index, None))
+            self._pending[stage_index] = start_gradient_reduction(module)
         return True
 
+    def wait(self, stage_index: int) -> None:
+        """Return once ``stage_index``'s reduction is complete (its ``WAIT_REDUCE_GRAD``); no-op if none is pending."""
+        wait = self._pending.pop(stage_index, None)
+        if wait is not None:
+            wait()
+            if self.log is not None:
+                self.log.append(f"reduced {stage_index}")
+
+    @property
+    def pending(self) -> list[int]:
+        """The stages whose reductions have started and not been waited for, in the order they started."""
+        return list(self._pending)
+
     def finish(self) -> None:
-        """Wait for every reduction issued since the last call; raise the first that failed."""
-        pending, self._pending = self._pending, []
+        """Wait for every reduction still pending; raise the first that failed."""
         error: BaseException | None = None
-        for stage_index, future in pending:
+        for stage_index in self.pending:
             try:
-                if future is None:
-                    fsdp_finish_backward(self.stage_modules[stage_index])
-                else:
-                    future.result()
+                self.wait(stage_index)
             except BaseException as exc:  # wait for the others before raising
                 error = error or exc
         if error is not None:

@@ -1,7 +1,7 @@
 """Execute a lightning_bfpp schedule on torch's pipeline runtime.
 
 :class:`PlannedSchedule` is ``torch.distributed.pipelining``'s ``_PipelineScheduleRuntime`` fed with our
-lowered action lists: torch adds the point-to-point sends and receives (``_add_send_recv``) and runs the
+lowered action lists in the installed torch's IR (:mod:`lightning_bfpp.engine.torch_ir`): torch runs the
 forwards, backwards, FSDP2 unshard/reshard and gradient reductions. What is written here is what torch's
 public schedule classes do not offer: a schedule chosen by us (torch's ``ScheduleLoopedBFS`` hard-codes a
 three-stage unshard window and its own ordering), micro-batches split by the caller (any batch structure,
@@ -23,24 +23,11 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_bfpp.engine._compat import PipelineRuntime, TorchAction, TorchKind, add_send_recv, hooked_runtime
+from lightning_bfpp.engine._compat import PipelineRuntime, TorchAction, TorchKind, hooked_runtime
 from lightning_bfpp.engine.reductions import GradientReductions
 from lightning_bfpp.engine.sharding import TENSOR_PARALLEL
-from lightning_bfpp.plan.actions import Action, Kind
-
-_TO_TORCH = {
-    Kind.FORWARD: TorchKind.FORWARD,
-    Kind.BACKWARD: TorchKind.FULL_BACKWARD,
-    Kind.BACKWARD_INPUT: TorchKind.BACKWARD_INPUT,
-    Kind.BACKWARD_WEIGHT: TorchKind.BACKWARD_WEIGHT,
-    Kind.UNSHARD: TorchKind.UNSHARD,
-    Kind.RESHARD: TorchKind.RESHARD,
-    Kind.REDUCE_GRAD: TorchKind.REDUCE_GRAD,
-}
-
-
-def to_torch_action(action: Action) -> TorchAction:
-    return TorchAction(action.stage, _TO_TORCH[action.kind], action.microbatch)
+from lightning_bfpp.engine.torch_ir import torch_action_lists
+from lightning_bfpp.plan.actions import Action
 
 
 def build_stages(
@@ -109,9 +96,8 @@ class PlannedSchedule(PipelineRuntime):
         super().__init__(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         num_stages = stages[0].num_stages
         mapping = dict(stage_to_rank)
-        lowered = {rank: [to_torch_action(a) for a in actions] for rank, actions in schedule.items()}
-        # torch adds the sends and receives; the data-parallel actions stay where our lowering put them
-        with_comms = add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=num_stages)
+        # the sends and receives (and on torch ≥ 2.15 their waits) added; the plan's own actions stay in place
+        with_comms = torch_action_lists(schedule, mapping.__getitem__, num_stages)
         if early_receives is None:
             early_receives = transfers_independent(stages[0].group, stages[0].device)
         if early_receives:
@@ -120,7 +106,7 @@ class PlannedSchedule(PipelineRuntime):
         self.install_plan(with_comms, mapping, backward=backward)
         if backward and reductions is not None:
             # REDUCE_GRAD overlaps the remaining backward (see lightning_bfpp.engine.reductions)
-            self.replace_gradient_reduction(reductions.reduce)
+            self.replace_gradient_reduction(reductions.reduce, reductions.wait)
         self.inferring_metadata = False
         # the first stage's inputs of the last step that captured them (see Pipeline.run)
         self.last_inputs: tuple[list[Any], list[Any]] | None = None

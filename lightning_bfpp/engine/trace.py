@@ -30,8 +30,14 @@ import torch.distributed as dist
 from lightning_bfpp.engine._compat import PipelineScheduleRuntime, hooked_runtime
 from lightning_bfpp.plan.timeline import Span, draw, format_summary, summarize, write_chrome_trace, write_spans
 
-_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
-_POSTS = {"SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
+_ACTION = re.compile(
+    r"^PP:(\d+)(F|B|I|W|UNSHARD|RESHARD|WAIT_REDUCE_GRAD|REDUCE_GRAD|WAIT_SEND_F|WAIT_SEND_B|SEND_F|RECV_F|SEND_B|RECV_B)"
+    r"(\d*)$"
+)
+# actions drawn as one span each, with their stage (and micro-batch); the waits exist from torch 2.15 on
+_SPANS = {"REDUCE_GRAD": "reduce", "WAIT_REDUCE_GRAD": "reduce_wait", "UNSHARD": "gather", "SEND_F": "send",
+          "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv", "WAIT_SEND_F": "send_wait",
+          "WAIT_SEND_B": "send_wait"}  # fmt: skip
 
 
 class StepTracer:
@@ -103,12 +109,8 @@ class StepTracer:
                 if kind in ("F", "B", "I", "W"):
                     compute = "forward" if kind == "F" else "backward"
                     tracer.add(compute, tracer._compute_from, end, stage, mb)
-                elif kind == "REDUCE_GRAD":
-                    tracer.add("reduce", start, end, stage)
-                elif kind == "UNSHARD":
-                    tracer.add("gather", start, end, stage)
-                elif kind in _POSTS:
-                    tracer.add(_POSTS[kind], start, end, stage, mb)
+                elif kind in _SPANS:
+                    tracer.add(_SPANS[kind], start, end, stage, mb)
 
         return record
 

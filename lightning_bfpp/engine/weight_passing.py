@@ -173,7 +173,7 @@ class ChunkTransfers:
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self._fetches: dict[int, Future[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._resident: set[int] = {c for c, chunk in enumerate(self.chunks) if chunk.owned}
-        self._pending: list[Future[None]] = []
+        self._pending: list[tuple[int, Future[None]]] = []  # (chunk, its reduction) in the order issued
         self._sums: dict[int, torch.Tensor] = {}  # the owner's gradient sums since the last finish()
 
     # -- the communication thread ------------------------------------------------------------------
@@ -275,7 +275,15 @@ class ChunkTransfers:
 
     def reduce(self, chunk: int, gradient: torch.Tensor) -> None:
         """Send this micro-batch's gradient of ``chunk`` to its owner (in the background)."""
-        self._pending.append(self._submit("reduce", lambda: self._reduce_job(chunk, gradient)))
+        self._pending.append((chunk, self._submit("reduce", lambda: self._reduce_job(chunk, gradient))))
+
+    def wait_reduced(self, chunk: int) -> None:
+        """Wait until ``chunk``'s reductions issued so far are done (the action list's ``WAIT_REDUCE_GRAD``: the
+        gradient buffer they send is free again). The gradients reach ``.grad`` at :meth:`finish`."""
+        waiting = [future for c, future in self._pending if c == chunk]
+        self._pending = [(c, future) for c, future in self._pending if c != chunk]
+        for future in waiting:
+            future.result()
 
     def finish(self) -> None:
         """Wait for every transfer issued so far; add the gradients that reached this rank to its chunk's
@@ -283,7 +291,7 @@ class ChunkTransfers:
         pending, self._pending = self._pending, []
         fetches, self._fetches = self._fetches, {}
         error: BaseException | None = None
-        for future in [*pending, *fetches.values()]:
+        for future in [*(future for _, future in pending), *fetches.values()]:
             try:
                 future.result()
             except BaseException as exc:  # wait for the others before raising
@@ -395,6 +403,8 @@ class WeightPassingRunner:
                         self.transfers.release(c)
                     elif kind is Kind.REDUCE_GRAD:
                         self.transfers.reduce(c, chunk_grads.pop(c))
+                    elif kind is Kind.WAIT_REDUCE_GRAD:
+                        self.transfers.wait_reduced(c)
                     elif kind is Kind.FORWARD:
                         assert mb is not None
                         args = arg_mbs[mb] if c == 0 else _as_args(outputs.pop((c - 1, mb)))

@@ -4,10 +4,12 @@ A schedule is ``dict[pipeline_rank, list[Action]]``. A schedule kind (:mod:`ligh
 generates the *compute* actions: forward ``F`` and backward ``B`` of one micro-batch through one stage, or the
 backward split in two as zero-bubble schedules do: ``I``, the input gradient the previous stage waits for, and
 ``W``, the weight gradient nobody waits for. :func:`add_sharding_actions` then inserts the data-parallel
-actions (``UNSHARD`` = all-gather a stage's weights, ``RESHARD`` = free them, ``REDUCE_GRAD`` = reduce its
-gradients); the execution half turns the result into torch's own action IR and lets torch add the
-point-to-point sends and receives. Nothing here imports ``torch``: a schedule is generated, checked and printed
-in microseconds, and the same lists are what the runtime executes and the simulator times.
+actions (``UNSHARD`` = all-gather a stage's weights, ``RESHARD`` = free them, ``REDUCE_GRAD`` = start reducing
+its gradients, ``WAIT_REDUCE_GRAD`` = the point by which that reduction has completed); the execution half turns
+the result into the installed torch's action IR (:mod:`lightning_bfpp.engine.torch_ir`: the point-to-point
+sends and receives, and on torch ≥ 2.15 a wait retiring each send, a forward's right after the rank's own backward
+of it). Nothing here imports ``torch``: a schedule is generated, checked and printed in microseconds, and the same
+lists are what the runtime executes and the simulator times.
 
 The string form is torch's: ``2F0`` is stage 2, forward, micro-batch 0; ``1UNSHARD`` acts on stage 1.
 """
@@ -31,16 +33,18 @@ class Kind(str, Enum):
     UNSHARD = "UNSHARD"
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
+    WAIT_REDUCE_GRAD = "WAIT_REDUCE_GRAD"
 
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 I, W = Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741 (torch's own names for the split backward)
 UNSHARD, RESHARD, REDUCE_GRAD = Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD
+WAIT_REDUCE_GRAD = Kind.WAIT_REDUCE_GRAD
 COMPUTE = (F, B, I, W)
 BACKWARD_KINDS = (B, I, W)
 GRADIENT_KINDS = (B, W)  # the actions that add to a stage's weight gradients
 
-_ACTION_RE = re.compile(r"^(\d+)(F|B|I|W|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
+_ACTION_RE = re.compile(r"^(\d+)(F|B|I|W|UNSHARD|RESHARD|WAIT_REDUCE_GRAD|REDUCE_GRAD)(\d*)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +236,11 @@ def add_sharding_actions(
     asks for a ``keep`` as long as its list, so that ``full_shard`` gathers each stage once per step and
     releases it after its last action, as torch's lowering does for up to three stages.
 
+    Each ``REDUCE_GRAD`` only starts the reduction; its ``WAIT_REDUCE_GRAD`` comes as late as it can while at
+    most one reduction is pending per rank (the rule torch ≥ 2.15's runtime enforces): just before the rank's next
+    ``REDUCE_GRAD``, or at the end of the list. The backward in between (a whole sweep of the next stage, under
+    breadth-first) is what the reduction overlaps; the list's last wait is where the step's gradients are complete.
+
     ``reduce_every_visit`` (weight passing): the gradients are reduced to their owner after *every* backward
     visit that computed some, whatever ``reduce_grads``: a rank holds no gradients of chunks it does not own
     beyond one visit's.
@@ -294,6 +303,13 @@ def _lower_visits(
     backward_count: Counter[int] = Counter()
     out: list[Action] = []
     active: list[int] = []
+    pending: list[int] = []  # the stage whose reduction is under way, if any
+
+    def reduce(stage: int) -> None:
+        if pending:
+            out.append(Action(pending.pop(), WAIT_REDUCE_GRAD))
+        out.append(Action(stage, REDUCE_GRAD))
+        pending.append(stage)
 
     def unshard(stage: int) -> None:
         active.append(stage)
@@ -314,12 +330,12 @@ def _lower_visits(
         gradients = sum(1 for a in run if a.kind in GRADIENT_KINDS)  # an I-only visit adds no weight gradient
         if kind is B and reduce_every_visit:
             if gradients:
-                out.append(Action(stage, REDUCE_GRAD))  # per visit, whatever `reduce_grads` (the owner accumulates)
+                reduce(stage)  # per visit, whatever `reduce_grads` (the owner accumulates)
         elif kind is B:
             backward_count[stage] += gradients
             if backward_count[stage] == num_microbatches:
                 if reduce_grads:
-                    out.append(Action(stage, REDUCE_GRAD))
+                    reduce(stage)
                 finished = True
         elif not has_backward and last_forward_visit[stage] == i:
             finished = True
@@ -329,6 +345,8 @@ def _lower_visits(
             reshard(stage)
     for stage in list(active):
         reshard(stage)
+    if pending:
+        out.append(Action(pending.pop(), WAIT_REDUCE_GRAD))
     return out
 
 

@@ -12,14 +12,17 @@ rank by rank, on the ranks the kind's placement gives each stage, with this mode
   micro-batch's activations are held until its ``W``, with what the ``I`` keeps for the ``W`` beside them from
   the ``I`` on (``LayerCost.intermediate_grad_bytes``: the output gradients of the layers' weighted operations);
   a stage's output is held from its forward to its ``B`` or ``I`` beside what autograd saves (torch's stage keeps
-  it for the backward; the last stage's is the loss), and the computing layer's transient (its temporaries, its
-  backward's activation gradients) adds the rank's largest layer's activations for one micro-batch to its peak;
+  it for the backward, and from torch 2.15 until its send's ``WAIT_SEND_F``, which the runtime's lists put right
+  after that ``B`` or ``I``: :mod:`lightning_bfpp.engine.torch_ir`; the last stage's is the loss), and the
+  computing layer's transient (its temporaries, its backward's activation gradients) adds the rank's largest
+  layer's activations for one micro-batch to its peak;
 - a weight gather (``UNSHARD``) is issued where it stands in the list and runs on the rank's
   data-parallel stream, one collective at a time, overlapping compute; the step's first takes
   ``Cluster.first_gather_slowdown`` times as long, every rank issuing it at once beside the step's host work;
 - a gradient reduction (``REDUCE_GRAD``) holds up the compute that follows it, as torch's own action does
-  (and ``BFPPStrategy`` on gloo by default), or with ``Cluster.overlap_reductions`` runs beside it, as the
-  strategy's overlapped reductions do (the default on CUDA); each rank's last takes
+  (and ``BFPPStrategy`` on gloo by default), or with ``Cluster.overlap_reductions`` runs beside it until the
+  stage's ``WAIT_REDUCE_GRAD`` (just before the rank's next reduction, or at the end), as the strategy's
+  overlapped reductions do (the default on CUDA); each rank's last takes
   ``Cluster.last_reduce_slowdown`` times as long, every rank ending its step with one beside its host work;
 - activations and gradients travel point-to-point when produced, one message at a time per direction of
   each link;
@@ -52,7 +55,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_bfpp.plan.actions import REDUCE_GRAD, RESHARD, UNSHARD, Action, B, F, I, W
+from lightning_bfpp.plan.actions import REDUCE_GRAD, RESHARD, UNSHARD, WAIT_REDUCE_GRAD, Action, B, F, I, W
 from lightning_bfpp.plan.cluster import Cluster, Links, links, tensor_all_reduce_s, tensor_groups_as_devices
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, balanced_counts, stage_costs
 from lightning_bfpp.plan.timeline import Span
@@ -102,6 +105,7 @@ class _Rank:
         self.dp_free = 0.0
         self.cursor = 0
         self.gathered: dict[int, float] = {}
+        self.reduced: dict[int, float] = {}  # when each stage's reduction ends
         self.memory: list[tuple[float, int]] = []  # (time, +/- bytes)
         self.activations: list[tuple[float, int]] = []  # the activation part of `memory`
         self.comm_bytes = 0
@@ -282,10 +286,17 @@ def _run(
                     else:
                         end = start
                     spans.append(Span(rank, "reduce", start, end, a.stage))
-                    r.dp_free = end
+                    r.dp_free = r.reduced[a.stage] = end
                     r.host = r.host + overhead if cluster.overlap_reductions else end + overhead
                     if sharded:
                         r.memory.append((end, -cost.param_bytes))
+                elif a.kind is WAIT_REDUCE_GRAD:
+                    # the host goes on once the stage's reduction is done (a blocking one already is); no action
+                    # cost: the wait's own host time is within the calibrated cost of its REDUCE_GRAD
+                    done = r.reduced.get(a.stage, 0.0)
+                    if done > r.host:
+                        spans.append(Span(rank, "reduce_wait", r.host, done, a.stage))
+                        r.host = done
                 r.cursor += 1
                 remaining -= 1
                 progressed = True

@@ -21,10 +21,11 @@ PIPELINE_WAIT = "p2p_wait"
 PIPELINE_WAITS = (PIPELINE_WAIT, "step_sync")
 # data-parallel communication the rank waited for (not what ran beside compute): weights it had to wait to
 # be gathered, and gradient reductions that held it up
-DATA_PARALLEL = ("gather_wait", "reduce")
-# lanes of a rank's row in the Chrome trace
-_LANES = {"forward": 0, "backward": 0, "p2p_wait": 1, "step_sync": 1, "send": 1, "recv": 1, "gather": 2,
-          "gather_wait": 2, "reduce": 2, "reshard": 2, "optimizer": 3}  # fmt: skip
+DATA_PARALLEL = ("gather_wait", "reduce", "reduce_wait")
+# lanes of a rank's row in the Chrome trace ("send_wait": a send's retirement, torch ≥ 2.15; the time it blocked
+# is its p2p_wait inside it)
+_LANES = {"forward": 0, "backward": 0, "p2p_wait": 1, "step_sync": 1, "send": 1, "recv": 1, "send_wait": 1,
+          "gather": 2, "gather_wait": 2, "reduce": 2, "reduce_wait": 2, "reshard": 2, "optimizer": 3}  # fmt: skip
 _LANE_NAMES = {0: "compute", 1: "pipeline p2p", 2: "data parallel", 3: "optimizer"}
 
 
@@ -180,7 +181,7 @@ def draw(spans: Sequence[Span], path: Path, title: str = "") -> None:
                     ax.text(start + width / 2, y - 0.1, s.label, ha="center", va="center", fontsize=6)
             elif s.kind in PIPELINE_WAITS:
                 ax.broken_barh([(start, width)], (y + 0.17, 0.08), facecolors="0.6")
-            elif s.kind in ("gather_wait", "reduce", "gather"):
+            elif s.kind in ("gather_wait", "reduce", "reduce_wait", "gather"):
                 ax.broken_barh(
                     [(start, width)], (y + 0.27, 0.08), facecolors="tab:red" if s.kind == "reduce" else "orange"
                 )

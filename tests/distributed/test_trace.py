@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from lightning_bfpp.engine._compat import TORCH_WAIT_ACTIONS
 from lightning_bfpp.plan.timeline import read_spans
 from tests.distributed.harness import launch
 from tests.models import RunSpec
@@ -84,6 +85,15 @@ def test_spans_show_the_breadth_first_schedule(traced):
         assert stages == [pipeline_rank, pipeline_rank + 2, pipeline_rank]  # one visit per stage and sweep
         assert all(b.start >= a.end - 1e-6 for a, b in itertools.pairwise(compute))
         assert any(s.kind == "optimizer" for s in mine)
+        # torch ≥ 2.15's wait actions, each with its stage (and a send's micro-batch): one per reduction, one per send
+        local = {pipeline_rank, pipeline_rank + 2}
+        if TORCH_WAIT_ACTIONS:
+            assert sorted(s.stage for s in mine if s.kind == "reduce_wait") == sorted(local)
+            sends = sorted((s.stage, s.microbatch) for s in mine if s.kind == "send")
+            assert sorted((s.stage, s.microbatch) for s in mine if s.kind == "send_wait") == sends and sends
+            assert all(s.stage in local and s.microbatch is not None for s in mine if s.kind == "send_wait")
+        else:
+            assert not kinds["reduce_wait"] and not kinds["send_wait"]
 
 
 def test_runtime_is_hooked_during_traced_steps_only(traced):

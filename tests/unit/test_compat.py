@@ -8,6 +8,7 @@ module of the package off those private names.
 
 import ast
 import contextlib
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -21,13 +22,9 @@ from torch.distributed.fsdp import fully_shard
 from lightning_bfpp.adapter import _lightning_compat
 from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.layers import StageModule
-from lightning_bfpp.engine.runtime import (
-    PlannedSchedule,
-    build_stages,
-    post_receives_first,
-    to_torch_action,
-    transfers_independent,
-)
+from lightning_bfpp.engine.reductions import GradientReductions
+from lightning_bfpp.engine.runtime import PlannedSchedule, build_stages, post_receives_first, transfers_independent
+from lightning_bfpp.engine.torch_ir import add_send_waits, runs_on_torch, to_torch_action, torch_action_lists
 from lightning_bfpp.engine.trace import StepTracer
 from lightning_bfpp.plan.actions import Action, Kind, add_sharding_actions
 from lightning_bfpp.plan.schedules import get_schedule
@@ -43,13 +40,64 @@ def forward_only(p, v, m):
 
 
 def test_supported_torch_version():
-    _compat.check_torch_version()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tested release: no warning
+        _compat.check_torch_version()
     assert _compat.torch_version() in _compat.SUPPORTED_TORCH
+    assert _compat.private_api_problems() == []  # every private name and attribute the package drives is there
+
+
+def test_a_newer_torch_is_warned_about_when_it_has_everything(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.16.0.dev20261201+cpu")
+    with pytest.warns(UserWarning, match=r"tested on torch 2\.13, 2\.14, 2\.15; this is torch 2\.16\.0\.dev"):
+        _compat.check_torch_version()
+
+
+def test_a_newer_torch_missing_a_private_name_is_refused_at_construction(monkeypatch):
+    from lightning_bfpp import BFPPStrategy
+
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
+    monkeypatch.delattr(_compat.PipelineScheduleRuntime, "_prepare_schedule_with_comms")
+    expected = r"torch 2\.16\.0 has changed .*_prepare_schedule_with_comms is missing.*'torch>=2\.13,<2\.16'"
+    with pytest.raises(ImportError, match=expected):
+        BFPPStrategy(pipeline_parallel_size=2)
+
+
+def test_a_private_name_torch_moved_or_removed(monkeypatch):
+    monkeypatch.setattr(_compat, "_MISSING", [])
+    found = _compat._private("torch.distributed.pipelining.not_here:_Action", f"{_compat._SCHEDULES}:_Action")
+    assert found is _compat.TorchAction and _compat._MISSING == []  # the second place, as after a move
+    absent = _compat._private("torch.distributed.pipelining.schedules:_renamed_pass")
+    assert _compat._MISSING == ["torch.distributed.pipelining.schedules:_renamed_pass"]
+    assert absent.anything is absent  # the package still imports (class bodies, module-level lookups)
+    with pytest.raises(ImportError, match="has no _renamed_pass"):
+        absent()
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
+    with pytest.raises(ImportError, match="schedules:_renamed_pass is missing"):
+        _compat.check_torch_version()
+
+
+def test_an_older_torch_is_refused_with_the_supported_range(monkeypatch):
+    from lightning_bfpp import BFPPStrategy
+
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    with pytest.raises(
+        ImportError, match=r"needs torch 2\.13 or newer .*this is torch 2\.12\.1.*'torch>=2\.13,<2\.16'"
+    ):
+        BFPPStrategy(pipeline_parallel_size=2)
 
 
 def test_action_kinds_map_onto_torch_ir():
     for kind in Kind:
-        assert str(to_torch_action(_action(kind))) == str(_action(kind))
+        if runs_on_torch(_action(kind)):
+            assert str(to_torch_action(_action(kind))) == str(_action(kind))
+    # the wait actions exist from 2.15 on, and only there does the package's IR reach torch with them
+    assert (
+        runs_on_torch(_action(Kind.WAIT_REDUCE_GRAD))
+        == _compat.TORCH_WAIT_ACTIONS
+        == (_compat.torch_version() >= (2, 15))
+    )
+    assert (_compat.torch_version() >= (2, 15)) == _compat.MANUAL_BACKWARD_FINALIZATION
 
 
 def _action(kind):
@@ -61,18 +109,61 @@ def _action(kind):
 def test_torch_adds_matched_sends_and_receives_to_our_plan():
     p, v, m = 2, 2, 3
     lowered = lower(breadth_first(p, v, m), "full_shard", m)
-    torch_plan = {r: [to_torch_action(a) for a in acts] for r, acts in lowered.items()}
-    with_comms = _compat.add_send_recv(torch_plan, stage_to_rank=lambda s: s % p, num_stages=p * v)
+    with_comms = torch_action_lists(lowered, lambda s: s % p, p * v)
     text = {r: [str(a) for a in acts] for r, acts in with_comms.items()}
     # every forward of a non-last stage sends to the next stage, which receives it on the other rank
     assert "0SEND_F0" in text[0] and "1RECV_F0" in text[1]
     assert "3SEND_B2" in text[1] and "2RECV_B2" in text[0]
-    # our data-parallel actions are kept in place
-    assert [a for a in text[0] if a.endswith(("UNSHARD", "RESHARD", "REDUCE_GRAD"))] == [
-        str(a) for a in lowered[0] if a.kind in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)
+    # our data-parallel actions are kept in place (the reduction waits where torch has them)
+    data_parallel = (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.WAIT_REDUCE_GRAD)
+    assert [a for a in text[0] if a.endswith(tuple(k.value for k in data_parallel))] == [
+        str(a) for a in lowered[0] if a.kind in data_parallel and runs_on_torch(a)
     ]
     # a receive is posted before the compute that consumes it
     assert text[1].index("1RECV_F0") < text[1].index("1F0")
+    if _compat.TORCH_WAIT_ACTIONS:
+        # a forward send is retired right after the rank's own backward of it, which proves it was received (where
+        # the planner's memory model frees the output); a backward send at the end
+        assert text[0][text[0].index("0B0") + 1] == "0WAIT_SEND_F0"
+        assert text[1].index("3WAIT_SEND_B2") > text[1].index("1B2")
+    else:
+        assert not any("WAIT" in a for acts in text.values() for a in acts)
+
+
+@pytest.mark.parametrize("name", ["breadth_first", "breadth_first_zb", "interleaved_zb", "depth_first", "zbv"])
+def test_a_forward_send_is_retired_where_the_memory_model_frees_its_output(name):
+    """The planner's simulator frees a stage's sent output at the rank's B or I of it; torch ≥ 2.15 keeps it alive
+    until its WAIT_SEND_F, which the lists put right there."""
+    from lightning_bfpp.plan import Plan
+
+    if not _compat.TORCH_WAIT_ACTIONS:
+        pytest.skip("torch < 2.15 has no send waits: the output lives until its backward, as the model counts")
+    plan = Plan(name, 2, 2, 2, 4)
+    lists = torch_action_lists(plan.lowered(), plan.stage_to_rank().__getitem__, plan.num_stages)
+    for actions in lists.values():
+        text = [str(a) for a in actions]
+        for i, action in enumerate(text):
+            if "WAIT_SEND_F" in action:
+                stage, mb = action.split("WAIT_SEND_F")
+                assert text[i - 1] in (f"{stage}B{mb}", f"{stage}I{mb}"), (name, text)
+
+
+def test_send_waits_follow_torchs_own_rule():
+    """On a forward-only list every wait comes at the end, as torch's own pass puts it (2.15: ``_add_wait_send``)."""
+    p, v, m = 2, 2, 2
+    plain = _compat.add_send_recv(
+        {r: [to_torch_action(a) for a in acts] for r, acts in forward_only(p, v, m).items()},
+        stage_to_rank=lambda s: s % p, num_stages=p * v,
+    )  # fmt: skip
+    if not _compat.TORCH_WAIT_ACTIONS:
+        assert torch_action_lists(forward_only(p, v, m), lambda s: s % p, p * v) == plain  # no waits before 2.15
+        return
+    waited = {r: [str(a) for a in add_send_waits(acts)] for r, acts in plain.items()}
+    sends = [a for a in waited[0] if "SEND_F" in a and "WAIT" not in a]
+    assert waited[0][-len(sends) :] == ["0WAIT_SEND_F0", "0WAIT_SEND_F1", "2WAIT_SEND_F0", "2WAIT_SEND_F1"]
+    from torch.distributed.pipelining.schedules import _add_wait_send
+
+    assert {r: [str(a) for a in acts] for r, acts in _add_wait_send(plain).items()} == waited
 
 
 def test_receives_posted_first_keep_their_order():
@@ -80,8 +171,7 @@ def test_receives_posted_first_keep_their_order():
     must keep their relative order and every other action's."""
     p, v, m = 2, 2, 3
     lowered = lower(breadth_first(p, v, m), "full_shard", m)
-    torch_plan = {r: [to_torch_action(a) for a in acts] for r, acts in lowered.items()}
-    with_comms = _compat.add_send_recv(torch_plan, stage_to_rank=lambda s: s % p, num_stages=p * v)
+    with_comms = torch_action_lists(lowered, lambda s: s % p, p * v)
     for actions in with_comms.values():
         early = post_receives_first(actions)
         receives = [str(a) for a in actions if "RECV" in str(a)]
@@ -212,7 +302,7 @@ def test_plan_placement_must_match_torchs(one_process):
     rec = _Recorded(one_process)
     stages = build_stages(rec.modules, [0, 1], 2, torch.device("cpu"), dist.group.WORLD)
     runtime = _compat.PipelineRuntime(stages, 2, loss_fn=rec.loss_fn)
-    plan = {0: [to_torch_action(a) for a in lower(_plan("0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1"), "full_shard", 2)[0]]}
+    plan = torch_action_lists(lower(_plan("0F0 0F1 1F0 1F1 1B0 1B1 0B0 0B1"), "full_shard", 2), {0: 0, 1: 0}.get, 2)
     with pytest.raises(RuntimeError, match="places stages on ranks"):
         runtime.install_plan(plan, {0: 0, 1: 1}, backward=True)
 
@@ -349,43 +439,65 @@ class _RecordingStream:
         pass
 
 
-def test_stream_mode_reductions_make_the_compute_stream_wait_only_after_the_last_action(one_process, monkeypatch):
-    """The CUDA path, on CPU: REDUCE_GRAD issues each stage's reduction (FSDP2 post-backward) without its final
-    callback, so the compute stream waits for no reduction before the schedule's last action; the waits come
-    once, in ``finish`` (before clipping and the optimizer). torch's own REDUCE_GRAD waits at each stage."""
-    from lightning_bfpp.engine.reductions import GradientReductions
-
-    def run(mode):
-        log: list[str] = []
-        stream = _RecordingStream(log)
-        monkeypatch.setattr(torch.cpu, "current_stream", lambda *args, **kwargs: stream)
-        rec = _Recorded(one_process)
-        reductions = GradientReductions(dict(enumerate(rec.modules)), mode) if mode else None
+def _run_reductions(one_process, monkeypatch, mode, steps=2):
+    """Two FSDP2 stages through torch's runtime with their reductions under ``mode`` (None: torch's own), logging
+    in order each compute, each reduction's start and end (:class:`GradientReductions`' log), each time the compute
+    stream is made to wait for another stream (a reduction's completion, on CUDA) and the optimizer step."""
+    log: list[str] = []
+    stream = _RecordingStream(log)
+    monkeypatch.setattr(torch.cpu, "current_stream", lambda *args, **kwargs: stream)
+    rec = _Recorded(one_process)
+    rec.executed = log
+    reductions = GradientReductions(dict(enumerate(rec.modules)), mode, log=log) if mode else None
+    rec.schedule = rec.build(breadth_first(1, 2, 2), backward=True)
+    if reductions is not None:
+        rec.schedule.replace_gradient_reduction(reductions.reduce, reductions.wait)
+    for _ in range(steps):  # the second step runs on the inferred shapes
+        log.clear()
+        rec.run()
+        log.append("schedule done")
         if reductions is not None:
-            issue = reductions.reduce
-            monkeypatch.setattr(reductions, "reduce", lambda s: log.append(f"reduce {s}") or issue(s))
-        stages = build_stages(rec.modules, [0, 1], 2, torch.device("cpu"), dist.group.WORLD)
-        plan = lower(breadth_first(1, 2, 2), "full_shard", 2)
-        rec.schedule = PlannedSchedule(
-            stages, plan, 2, lambda out, mb: out.pow(2).sum(), stage_to_rank={0: 0, 1: 0}, backward=True,
-            reductions=reductions,
-        )  # fmt: skip
-        for _ in range(2):  # the second step runs on the inferred shapes
-            log.clear()
-            rec.run()
-            log.append("schedule done")
-            if reductions is not None:
-                reductions.finish()
-        grads = [p.grad.full_tensor().clone() for m in rec.modules for p in m.parameters()]
-        return log, grads
+            reductions.finish()  # what the step does before clipping and the optimizer
+        log.append("optimizer step")
+    grads = [p.grad.full_tensor().clone() for m in rec.modules for p in m.parameters()]
+    if reductions is not None:
+        reductions.close()
+    return log, grads
 
-    log, grads = run("stream")
-    done = log.index("schedule done")
-    assert log[:done].count("reduce 1") == 1 and log[:done].count("reduce 0") == 1
-    assert "compute waits" not in log[:done], log
-    assert "compute waits" in log[done:], log  # the final callbacks, in finish()
-    blocking_log, blocking_grads = run(None)
-    assert "compute waits" in blocking_log[: blocking_log.index("schedule done")]  # torch's: per stage
+
+def test_stream_mode_reductions_overlap_the_backward_and_complete_before_the_optimizer(one_process, monkeypatch):
+    """The CUDA path, on CPU: REDUCE_GRAD only issues each stage's reduction, so the compute stream waits for no
+    reduction while the rank still has backward to run; each reduction really completes (FSDP2 makes the compute
+    stream wait for it) before the optimizer step. On torch 2.15, whose pipeline stage switches FSDP2 to manual
+    finalization, the old end-of-step callback waited for nothing: this test fails on it."""
+    log, grads = _run_reductions(one_process, monkeypatch, "stream")
+    last_compute = max(i for i, entry in enumerate(log) if entry[1:2] in ("F", "B"))
+    assert log.index("reduce 1") < last_compute  # stage 1's reduction starts before stage 0's backward
+    assert "compute waits" not in log[: last_compute + 1], log  # and nothing waits for it meanwhile
+    optimizer = log.index("optimizer step")
+    for stage in (0, 1):
+        done = log.index(f"reduced {stage}")
+        assert "compute waits" in log[log.index(f"reduce {stage}") : done + 1], log  # the wait is a real one
+        assert done < optimizer
+    blocking_log, blocking_grads = _run_reductions(one_process, monkeypatch, None)
+    # torch's own reductions: before 2.15 each blocks inside its REDUCE_GRAD; from 2.15 on, at the plan's wait
+    assert "compute waits" in blocking_log[: blocking_log.index("schedule done")]
+    for got, want in zip(grads, blocking_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_thread_mode_reductions_complete_before_the_optimizer(one_process, monkeypatch):
+    """The gloo path: each reduction runs on the communication thread and is joined at its WAIT_REDUCE_GRAD (or,
+    before torch 2.15, just before the next reduction starts and at the step's end): none is still pending when the
+    optimizer steps, and at most one is pending at any time."""
+    log, grads = _run_reductions(one_process, monkeypatch, "thread")
+    optimizer = log.index("optimizer step")
+    pending = 0
+    for entry in log[:optimizer]:
+        pending += entry.startswith("reduce ") - entry.startswith("reduced ")
+        assert pending <= 1, log
+    assert pending == 0 and {"reduced 0", "reduced 1"} <= set(log[:optimizer]), log
+    _, blocking_grads = _run_reductions(one_process, monkeypatch, None)
     for got, want in zip(grads, blocking_grads, strict=True):
         torch.testing.assert_close(got, want)
 

@@ -135,6 +135,22 @@ def test_overlapping_reductions_never_slows_a_step():
         assert overlapped <= plain and not math.isclose(overlapped, plain)
 
 
+def test_an_overlapped_reduction_holds_the_rank_only_at_its_wait():
+    """With overlapped reductions, a reduction slower than the backward after it holds the rank at its
+    WAIT_REDUCE_GRAD (just before the next reduction), and nowhere before; the step ends after the last wait."""
+    profile = uniform(4, 1e-3, 2e-3, 2**26, 2**16, 2**16)  # large weights: each reduction outlasts a sweep
+    cluster = Cluster(8, 8, 2**40, 1e9, 1e8, overlap_reductions=True)
+    prediction = simulate(Plan("breadth_first", 2, 2, 2, 2, 1), profile, cluster)
+    waits = [s for s in prediction.spans if s.kind == "reduce_wait"]
+    reduces = {(s.rank, s.stage): s for s in prediction.spans if s.kind == "reduce"}
+    assert waits, "the first reduction outlasts the next stage's backward sweep"
+    for wait in waits:
+        assert math.isclose(wait.end, reduces[(wait.rank, wait.stage)].end)  # until that stage's reduction ends
+        later = [s for s in prediction.spans if s.rank == wait.rank and s.kind == "backward" and s.start > wait.start]
+        assert all(s.start >= wait.end for s in later)
+    assert prediction.step_time >= max(s.end for s in reduces.values())
+
+
 def test_one_command_plan_for_a_lightning_module(capsys, tmp_path):
     # measures examples/train_gpt.py's GPT on one micro-batch of its DataModule, then ranks layouts
     main(["--module", "examples.train_gpt:GPT", "--init-args", '{"layers": 4, "dim": 32}',

@@ -11,6 +11,7 @@ from lightning_bfpp.plan.actions import (
     REDUCE_GRAD,
     RESHARD,
     UNSHARD,
+    WAIT_REDUCE_GRAD,
     Action,
     B,
     F,
@@ -83,8 +84,9 @@ def test_full_shard_lowering_gathers_once_per_sweep_and_prefetches():
         "4F0", "4F1",  # last local stage: kept from its forward sweep to its backward sweep
         "4B0", "4B1", "4REDUCE_GRAD", "4RESHARD",
         "0UNSHARD",  # prefetch stage 0 for its backward sweep
-        "2B0", "2B1", "2REDUCE_GRAD", "2RESHARD",
-        "0B0", "0B1", "0REDUCE_GRAD", "0RESHARD",
+        "2B0", "2B1", "4WAIT_REDUCE_GRAD", "2REDUCE_GRAD", "2RESHARD",  # one reduction pending at a time
+        "0B0", "0B1", "2WAIT_REDUCE_GRAD", "0REDUCE_GRAD", "0RESHARD",
+        "0WAIT_REDUCE_GRAD",  # the step's gradients are complete here
     ]  # fmt: skip
     # releasing after every visit but the turn's holds no fewer stages at once and gathers stage 2 twice
     released = add_sharding_actions(breadth_first(2, 3, 2)[0], "full_shard", 2, keep=1)
@@ -100,7 +102,7 @@ def test_full_shard_keeps_every_stage_gathered_where_the_prefetch_holds_them_all
     assert strings(lowered) == [
         "0UNSHARD", "2UNSHARD", "0F0", "0F1", "0F2", "0F3", "2F0", "2F1", "2F2", "2F3",
         "2B0", "2B1", "2B2", "2B3", "2REDUCE_GRAD", "2RESHARD",
-        "0B0", "0B1", "0B2", "0B3", "0REDUCE_GRAD", "0RESHARD",
+        "0B0", "0B1", "0B2", "0B3", "2WAIT_REDUCE_GRAD", "0REDUCE_GRAD", "0RESHARD", "0WAIT_REDUCE_GRAD",
     ]  # fmt: skip
 
 
@@ -288,7 +290,7 @@ def test_every_schedule_is_valid_for_any_sizes(p, v, m, data):
     placement, lowered with one reduction per stage and as many releases as gathers, and torch can place its sends
     and receives."""
     from lightning_bfpp.engine import _compat
-    from lightning_bfpp.engine.runtime import to_torch_action
+    from lightning_bfpp.engine.torch_ir import torch_action_lists
 
     candidates = []
     for name in schedule_names():
@@ -313,9 +315,33 @@ def test_every_schedule_is_valid_for_any_sizes(p, v, m, data):
             for actions in Plan(name, p, 2, v, m, sharding=sharding, microbatch_group_size=n).lowered().values():
                 assert count(actions, REDUCE_GRAD) == v
                 assert count(actions, UNSHARD) == count(actions, RESHARD)
-        # torch can place the sends and receives of every schedule we generate
-        torch_plan = {r: [to_torch_action(a) for a in acts] for r, acts in plan.lowered().items()}
-        _compat.add_send_recv(torch_plan, stage_to_rank=plan.stage_to_rank().__getitem__, num_stages=p * v)
+        # torch can place the sends and receives of every schedule we generate, and (torch ≥ 2.15) its runtime's
+        # own checks accept every wait we place
+        lists = torch_action_lists(plan.lowered(), plan.stage_to_rank().__getitem__, p * v)
+        if _compat.TORCH_WAIT_ACTIONS:
+            from torch.distributed.pipelining.schedules import _add_wait_send, _validate_send_waits
+
+            _validate_send_waits(lists)
+            assert_one_reduction_pending(lists)
+            without = {r: [a for a in acts if "WAIT_SEND" not in str(a)] for r, acts in lists.items()}
+            assert {r: [str(a) for a in acts] for r, acts in _add_wait_send(without).items()} == {
+                r: [str(a) for a in acts] for r, acts in lists.items()
+            }  # our rule is torch's own
+
+
+def assert_one_reduction_pending(lists):
+    """torch ≥ 2.15's rule: each REDUCE_GRAD waited for by a later WAIT_REDUCE_GRAD of its stage, before the rank's
+    next REDUCE_GRAD."""
+    for rank, actions in lists.items():
+        pending = None
+        for a in map(str, actions):
+            if a.endswith("WAIT_REDUCE_GRAD"):
+                assert pending is not None and a == f"{pending}WAIT_REDUCE_GRAD", (rank, actions)
+                pending = None
+            elif a.endswith("REDUCE_GRAD"):
+                assert pending is None, (rank, actions)
+                pending = a[: -len("REDUCE_GRAD")]
+        assert pending is None, (rank, actions)
 
 
 def test_depth_first_gathers_more_than_breadth_first_under_full_shard():
@@ -337,5 +363,5 @@ def test_a_schedule_inside_an_accumulation_window_has_no_reductions_but_the_same
     with_reduce = plan.lowered()
     without = plan.lowered(reduce_grads=False)
     for rank in compute:
-        assert [a for a in with_reduce[rank] if a.kind is not REDUCE_GRAD] == without[rank]
+        assert [a for a in with_reduce[rank] if a.kind not in (REDUCE_GRAD, WAIT_REDUCE_GRAD)] == without[rank]
         assert sum(a.kind is REDUCE_GRAD for a in with_reduce[rank]) == 2

@@ -1,0 +1,73 @@
+"""The oldest supported torch trains as one device does: one launch with each runner and a checkpoint resume.
+
+CI runs the whole suite on the newest supported torch and, on the oldest, the unit tier (the compatibility checks
+among it) and this module: its action lists lack the newer runtime's wait actions (lightning_bfpp.engine.torch_ir),
+and its FSDP2 reductions go through the private post-backward, overlapped here on the communication thread. On
+any other torch these runs are part of the whole suite already (test_equivalence, test_weight_passing,
+test_checkpoint), so the module skips there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_bfpp.engine._compat import SUPPORTED_TORCH, torch_version
+from tests.distributed.harness import assert_trained_as_on_one_device, launch
+from tests.models import RunSpec
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        torch_version() != SUPPORTED_TORCH[0], reason="the whole suite covers these runs on a newer torch"
+    ),
+]
+
+TOL = 1e-5
+BREADTH_FIRST = {"pipeline_parallel_size": 2, "stages_per_rank": 2, "num_microbatches": 4}
+
+
+def run(name: str, strategy: dict, local_batch_size: int, data_parallel_size: int, **fields) -> RunSpec:
+    return RunSpec(
+        name=name,
+        strategy=strategy,
+        model={"optimizer": "adamw"},
+        data={"num_samples": 48},
+        local_batch_size=local_batch_size,
+        data_parallel_size=data_parallel_size,
+        **fields,
+    )
+
+
+EPOCHS = {"max_epochs": 2, "max_steps": -1}  # 3 steps per epoch: a resume after epoch 1 replays the same batches
+RUNS = {
+    "stages": run("stages", {**BREADTH_FIRST, "overlap_reductions": "thread"}, 8, 2, trainer=EPOCHS),
+    "weight_passing": run(
+        "weight_passing",
+        {"schedule": "weight_passing", "processes_per_node": 2, "num_microbatches": 2},
+        4,
+        4,
+        trainer={"max_steps": 3},
+    ),
+    "half": run("half", BREADTH_FIRST, 8, 2, trainer={"max_epochs": 1, "max_steps": -1}, checks=["save_at_end"]),
+    "resumed": run("resumed", BREADTH_FIRST, 8, 2, trainer=EPOCHS, resume_from="half/end.ckpt"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(list(RUNS.values()), 4, tmp_path_factory.mktemp("oldest_torch"), timeout=540)
+
+
+@pytest.mark.parametrize("name", ["stages", "weight_passing"])
+def test_each_runner_trains_as_one_device(name, results):
+    assert_trained_as_on_one_device(results[name], RUNS[name], tol=TOL)
+
+
+def test_a_resume_continues_as_the_straight_run(results):
+    straight, resumed = results["stages"], results["resumed"]
+    for rank in range(4):
+        want = [s["callback_metrics"]["train_loss"] for s in straight.steps(rank)][3:]
+        assert [s["callback_metrics"]["train_loss"] for s in resumed.steps(rank)] == pytest.approx(want, rel=TOL)
+    assert all(torch.allclose(resumed.params[k], straight.params[k], rtol=TOL, atol=0) for k in straight.params)
