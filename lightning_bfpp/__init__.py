@@ -12,6 +12,7 @@ engine (see ``tests/distributed/plain_loop.py``).
 from typing import Any
 
 from lightning_bfpp.engine.loss import mean_over_items
+from lightning_bfpp.engine.pretrained import PretrainedWeights, load_pretrained
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_bfpp' has no attribute {name!r}")
 
 
-__all__ = ["BFPPStrategy", "__version__", "mean_over_items"]
+__all__ = ["BFPPStrategy", "PretrainedWeights", "__version__", "load_pretrained", "mean_over_items"]

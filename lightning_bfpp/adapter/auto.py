@@ -93,8 +93,6 @@ def measure_profile(
     module: LightningModule,
     trainer: Trainer,
     device: torch.device,
-    what: str = "BFPPStrategy(pipeline_parallel_size='auto')",
-    instead: str = "a fixed pipeline_parallel_size",
     split: TensorSplit | None = None,
     split_backward: bool = False,
 ) -> ModelProfile:
@@ -103,22 +101,14 @@ def measure_profile(
     ``split_backward`` measures the weight-gradient part of each backward (for ``breadth_first_zb``)."""
     from lightning_bfpp.measure.profile import profile_module
 
-    if any(p.is_meta for p in module.parameters()):
-        raise RuntimeError(
-            f"{what} measures the model's layers on one device, but the model is on the meta device. Pass"
-            f" `plan_profile=` (a ModelProfile or its JSON) or {instead}."
-        )
     batch = trainer.strategy.batch_to_device(_training_batch(trainer, split), device)
-    original = next(module.parameters()).device
-    module.to(device)
-    try:
-        if split is None:
-            return profile_module(module, batch, split_backward=split_backward)
-        return profile_module(
-            module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh, split_backward=split_backward
-        )
-    finally:
-        module.to(original)
+    # each kind of layer measured once, on a copy on `device` where it is elsewhere or on the meta device: the
+    # module itself is neither moved nor materialized (a model that needs a pipeline fits on no one device)
+    if split is None:
+        return profile_module(module, batch, split_backward=split_backward)
+    return profile_module(
+        module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh, split_backward=split_backward
+    )
 
 
 def layer_times(
@@ -134,9 +124,7 @@ def layer_times(
     if is_global_zero:
         try:
             if profile is None:
-                profile = measure_profile(
-                    module, trainer, device, "BFPPStrategy(partition='time')", "partition='parameters'"
-                )
+                profile = measure_profile(module, trainer, device)
             box[0] = [layer.forward_s + layer.backward_s for layer in profile.layers]
         except Exception as error:  # measured on rank 0 only: share the failure, never hang
             box[0] = RuntimeError(
@@ -309,15 +297,7 @@ def resolved_partition(
     """The module's preferred partition when none was given; for ``"time"``, each layer's measured time."""
     preferred = getattr(module, "pipeline_partition", None)
     if not partition_given and preferred is not None:
-        meta = any(p.is_meta for p in module.parameters())
-        if preferred == "time" and meta and profile is None:
-            info(
-                f"BFPPStrategy: `{type(module).__name__}` asks for partition='time', but it was created on the"
-                " meta device and cannot be measured; partitioning by parameters (pass `plan_profile=` to"
-                " balance by time)."
-            )
-        else:
-            config = replace(config, partition=preferred)
+        config = replace(config, partition=preferred)
     if config.partition != "time":
         return config, None
     measured = _profile(profile)

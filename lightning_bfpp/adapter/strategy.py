@@ -162,6 +162,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     """
 
     strategy_name = "bfpp"
+    # a module's `pipeline_pretrained` weights (lightning_bfpp.load_pretrained, the Hugging Face adapter's names and
+    # folders) are read here, each rank its own stages', when the layers are placed; modules leave them to us
+    fills_pretrained_per_stage = True
 
     def __init__(
         self,
@@ -389,6 +392,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             convert_module=self.precision_plugin.convert_module, recompute=self._recompute,
             compile_options=self._compile, overlap=overlap_mode, reduce_group=reduce_group, info=info,
             warn=rank_zero_warn, parallelize=self._parallelize_fn or getattr(module, "parallelize_layer", None),
+            pretrained=getattr(module, "pipeline_pretrained", None),
             # a rank still waiting after this long is not coming: see Pipeline._agree_before_schedule
             agreement_timeout=None if self.failure_timeout is None else max(120.0, 4 * self.failure_timeout),
         )  # fmt: skip

@@ -9,6 +9,7 @@ meta-device model, materializes) only its own stages.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -354,6 +355,10 @@ def keep_local_layers(
             f"BFPPStrategy: `{leaked[0]}` belongs to a layer held by another pipeline rank but is still reachable"
             " through another attribute of the module; remove the alias so each layer has one name."
         )
+    if remote_params:
+        # a reference cycle can still hold a dropped layer (a module's method kept by one of its submodules,
+        # a frame kept by its own locals): free them now, not whenever the collector next runs
+        gc.collect()
     return local
 
 

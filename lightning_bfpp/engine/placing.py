@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_bfpp.engine.initial_state import PendingBuild
 from lightning_bfpp.engine.layers import Recompute, compiled, keep_local_layers, materialize_remaining
 from lightning_bfpp.engine.pipeline import Pipeline, StepCode
+from lightning_bfpp.engine.pretrained import PretrainedWeights, layer_tensors
 from lightning_bfpp.engine.sharding import PIPELINE_PARALLEL
 from lightning_bfpp.engine.tied import Identities, TiedParameters, record_identities
 
@@ -42,8 +43,10 @@ class BuildContext:
     says which layers recompute their activations in backward; ``compile_options`` compiles each layer
     (``None``: not). ``parallelize`` splits each of this rank's layers over its tensor group (layers already
     parallelised, by a LightningModule's ``configure_model``, are left alone). ``overlap`` is how gradient
-    reductions overlap the backward (``"stream"``, ``"thread"`` on ``reduce_group``, or ``None``). ``info`` and
-    ``warn`` report what the build chose and what looks wrong (the strategy passes Lightning's rank-zero versions).
+    reductions overlap the backward (``"stream"``, ``"thread"`` on ``reduce_group``, or ``None``). ``pretrained``
+    fills this rank's layers from a full checkpoint as they are kept (:mod:`lightning_bfpp.engine.pretrained`).
+    ``info`` and ``warn`` report what the build chose and what looks wrong (the strategy passes Lightning's
+    rank-zero versions).
     """
 
     device_mesh: DeviceMesh
@@ -61,6 +64,7 @@ class BuildContext:
     overlap: str | None = None
     reduce_group: Any = None
     agreement_timeout: float | None = None
+    pretrained: PretrainedWeights | None = None
     info: Callable[[str], None] = _log.info
     warn: Callable[[str], None] = _warn
 
@@ -100,6 +104,9 @@ def keep_layers(
     slots = [i for i, rank in enumerate(layer_owner) if rank == me] if tied_slots is None else tied_slots
     identities = record_identities(named, slots)
     local = keep_local_layers(module, named, layer_owner, me, context.device)
+    if context.pretrained is not None:  # this rank's layers only: nothing of the other stages is read
+        read = context.pretrained.fill(layer_tensors(local))
+        context.info(f"BFPPStrategy: read {read / 2**20:,.1f} MiB of this rank's layers from {context.pretrained.path}")
     return local, identities
 
 

@@ -45,14 +45,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
+import math
 import os
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -76,8 +80,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from lightning_bfpp.adapter import _lightning_compat
 from lightning_bfpp.engine import _compat
-from lightning_bfpp.engine.checkpoint import torch_load
+from lightning_bfpp.engine.checkpoint import MODEL_KEY, TIED_KEY, load_metadata, reader, torch_load
 from lightning_bfpp.engine.loss import mean_over_items
+from lightning_bfpp.engine.pretrained import PretrainedWeights, PretrainedWeightsError, write_safetensors
 from lightning_bfpp.engine.tensor_regions import SumGradient, SumOutputs
 
 __all__ = [
@@ -639,16 +644,25 @@ class _HFReset:
     embeddings) or torch's (not the model's init). ``chain`` is the submodule and its ancestors inside the
     pipeline layer, nearest first, as ``transformers`` initializes children before parents (GPT-2's
     attention rescales its ``c_proj`` after the projection's own init). The model class and config are kept,
-    not the model, so a layer never holds other layers' modules.
+    not the model, so a layer never holds other layers' modules; and the chain by weak reference, since each of its
+    modules holds this object (a cycle would keep a dropped layer's tensors until the garbage collector ran).
     """
 
     def __init__(self, model_class: type[PreTrainedModel], config: PreTrainedConfig, chain: list[nn.Module]) -> None:
         self.model_class = model_class
         self.config = config
-        self.chain = chain
+        self.chain = [weakref.ref(module) for module in chain]
 
     def __call__(self) -> None:
-        _compat.init_weights_as_model(self.model_class, self.config, self.chain)
+        chain = [module for ref in self.chain if (module := ref()) is not None]
+        _compat.init_weights_as_model(self.model_class, self.config, chain)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _HFReset:
+        """A copied layer's resets initialize the copy's modules (a weak reference alone would be shared)."""
+        copied = _HFReset.__new__(_HFReset)
+        copied.model_class, copied.config = self.model_class, self.config
+        copied.chain = [weakref.ref(copy.deepcopy(module, memo)) for ref in self.chain if (module := ref()) is not None]
+        return copied
 
 
 def _install_resets(model: PreTrainedModel, layers: list[nn.Module], hf_modules: set[int]) -> None:
@@ -767,10 +781,6 @@ class _LoraReset:
 # -- LightningModules -------------------------------------------------------------------------------------
 
 
-def _on_meta_device() -> bool:
-    return torch.empty(0).device.type == "meta"
-
-
 def _config_from_dict(values: Mapping[str, Any]) -> PreTrainedConfig:
     values = dict(values)
     model_type = values.pop("model_type", None)
@@ -779,32 +789,98 @@ def _config_from_dict(values: Mapping[str, Any]) -> PreTrainedConfig:
     return AutoConfig.for_model(model_type, **values)
 
 
-def _load(source: Any, auto_class: Any, attn_implementation: str | None) -> PreTrainedModel:
-    """A ``transformers`` model from a model, a config (object or dict) or a ``from_pretrained`` name/folder."""
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+def _load(
+    source: Any, auto_class: Any, attn_implementation: str | None, dtype: torch.dtype | str | None
+) -> tuple[PreTrainedModel, Path | None]:
+    """A ``transformers`` model from a model, a config (object or dict) or a ``from_pretrained`` name/folder, and,
+    for a name or folder, the folder whose safetensors hold its weights.
+
+    A name or folder is built on the meta device, in ``dtype`` (default: the config's, as ``from_pretrained``
+    takes it): nothing is allocated or read here. The weights are read where the layers are allocated: under
+    ``BFPPStrategy`` each rank reads only its own stages' tensors; elsewhere :meth:`_HFPipelineModule.materialize`
+    (called by ``configure_model``) reads them all.
+    """
+    kwargs: dict[str, Any] = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if isinstance(source, PreTrainedModel):
         if attn_implementation is not None:
             source.set_attn_implementation(attn_implementation)
-        return source
+        return (source if dtype is None else source.to(_dtype(dtype))), None
     if isinstance(source, Mapping):
         source = _config_from_dict(source)
     if isinstance(source, PreTrainedConfig):
-        return auto_class.from_config(source, **kwargs)
+        return auto_class.from_config(source, **kwargs, **({} if dtype is None else {"dtype": _dtype(dtype)})), None
     if isinstance(source, (str, os.PathLike)):
-        if _on_meta_device():
-            raise ValueError(
-                f"Loading pretrained weights ({os.fspath(source)!r}) on the meta device"
-                " (`trainer.init_module(empty_init=True)`) would discard them: the strategy initializes meta layers"
-                " afresh. Create the module outside `init_module(empty_init=True)` (each rank still keeps only its"
-                " own stages' weights after setup), or pass the config there to train from scratch."
-            )
+        folder = _local_folder(source)
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = auto_class.from_config(config, dtype=_dtype(dtype or config.dtype or torch.float32), **kwargs)
         # `from_pretrained` returns the model in eval mode, and Lightning keeps each submodule's mode: fine-tune
         # with the dropout the config asks for
-        return auto_class.from_pretrained(source, **kwargs).train()
+        return model.train(), folder
     raise TypeError(
         "Pass a `transformers` model, its config (object or `config.to_dict()`), or a name or folder for"
         f" `from_pretrained`; got {type(source).__name__}."
     )
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16`` from itself or from ``"bfloat16"`` / ``"torch.bfloat16"`` (a config's or a YAML's)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"`dtype` must be a torch floating dtype (e.g. torch.bfloat16 or 'bfloat16'); got {dtype!r}.")
+    return value
+
+
+def _local_folder(source: str | os.PathLike[str]) -> Path:
+    """The folder of a ``from_pretrained`` name: itself if it is one, else its files in the Hugging Face cache (the
+    config and the safetensors only; downloaded unless offline)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(os.fspath(source), allow_patterns=["*.json", "*.safetensors"]))
+
+
+def _needs_conversion(model: PreTrainedModel, folder: Path) -> bool:
+    """Whether ``folder`` stores tensors that ``transformers`` converts, several into one, as it loads ``model``
+    (what a per-stage read cannot do): its stored names (the index, or the files' headers) against the model's
+    conversion mapping."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters, prefix, names = _weight_transforms(model)
+    if not converters:
+        return False
+    try:
+        stored = PretrainedWeights(folder).stored_names()
+    except PretrainedWeightsError:
+        return False  # reported, naming the folder, when the weights are read
+    return any(rename_source_key(key, renamings, converters, prefix, names)[1] is not None for key in stored)
+
+
+def _weight_transforms(model: PreTrainedModel) -> tuple[list[Any], list[Any], str, dict[str, Any]]:
+    """What ``transformers`` renames a checkpoint's keys with as it loads ``model`` (its conversion mapping's
+    renamings and conversions, the base model's prefix), and the model's own names (meta tensors: no memory)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_model_conversion_mapping(model)
+    names = {name: tensor.to("meta") for name, tensor in model.state_dict().items()}
+    return (
+        [m for m in mapping if isinstance(m, WeightRenaming)],
+        [m for m in mapping if isinstance(m, WeightConverter)],
+        getattr(model, "base_model_prefix", "") or "",
+        names,
+    )
+
+
+def _save_hyperparameters(module: L.LightningModule, hparams: dict[str, Any]) -> None:
+    """``module.save_hyperparameters(hparams)``, given the frame to look at: left to find it, Lightning keeps a
+    reference to its own frame, a cycle that holds the caller's locals (the whole ``transformers`` model) until
+    the garbage collector runs, and with them the layers another pipeline rank holds."""
+    module.save_hyperparameters(hparams, frame=inspect.currentframe())
 
 
 def _batch_fields(batch: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -1038,9 +1114,20 @@ class _HFPipelineModule(L.LightningModule):
         # `transformers` name -> this module's name, by identity (works on the meta device too): how
         # `export_pretrained` turns this module's state dict back into the model's
         owner: dict[int, str] = {}
+        names_of: dict[int, list[str]] = {}
         for name, tensor in self.state_dict(keep_vars=True).items():
             owner.setdefault(id(tensor), name)
-        self.hf_names = {name: owner[id(tensor)] for name, tensor in model.state_dict(keep_vars=True).items()}
+            names_of.setdefault(id(tensor), []).append(name)
+        hf_state = model.state_dict(keep_vars=True)
+        self.hf_names = {name: owner[id(tensor)] for name, tensor in hf_state.items()}
+        self._weight_transforms = _weight_transforms(model)
+        # this module's name -> the model's names of the same tensor (a tied weight has several on both sides): what
+        # a checkpoint of the model holds it under, whichever of this module's names (stages) asks for it
+        self._hf_sources: dict[str, list[str]] = {}
+        for hf_name, tensor in hf_state.items():
+            for name in names_of.get(id(tensor), ()):
+                self._hf_sources.setdefault(name, []).append(hf_name)
+        self._declare_pretrained()
         model_inputs = _forward_inputs(model)
         self._hf_forward = f"{type(model).__name__}.forward"
         self.batch_inputs = tuple(name for name in inputs if name in model_inputs)
@@ -1050,7 +1137,13 @@ class _HFPipelineModule(L.LightningModule):
         self._warned_fields: set[tuple[str, ...]] = set()
 
     def _load_with_lora(
-        self, model: Any, auto_class: Any, attn_implementation: str | None, lora: Any, adapter_name: str
+        self,
+        model: Any,
+        auto_class: Any,
+        attn_implementation: str | None,
+        lora: Any,
+        adapter_name: str,
+        dtype: torch.dtype | str | None,
     ) -> PreTrainedModel:
         """The ``transformers`` model (see :func:`_load`), with LoRA layers from ``lora`` or from a ``PeftModel``."""
         self.lora_config: Any = None
@@ -1059,11 +1152,85 @@ class _HFPipelineModule(L.LightningModule):
             if lora is not None:
                 raise ValueError("Pass a `PeftModel` or `lora=` with a `transformers` model, not both.")
             model, self.lora_config, self.adapter_name = _unwrap_peft(model)
-        hf_model = _load(model, auto_class, attn_implementation)
+        hf_model, self._pretrained_folder = _load(model, auto_class, attn_implementation, dtype)
+        if self._pretrained_folder is not None and _needs_conversion(hf_model, self._pretrained_folder):
+            # stored as `transformers` converts on load (mixture-of-experts checkpoints keep one tensor per expert,
+            # the model one per layer): read whole, by `transformers`, on every process
+            folder, self._pretrained_folder = self._pretrained_folder, None
+            hf_model = auto_class.from_pretrained(
+                folder,
+                dtype=_dtype(dtype or hf_model.config.dtype or torch.float32),
+                **({} if attn_implementation is None else {"attn_implementation": attn_implementation}),
+            ).train()
         if lora is not None:
             self.lora_config = _lora_config(lora)
             _apply_lora(hf_model, self.lora_config, adapter_name)
         return hf_model
+
+    def _loaded_name(self, stored: str) -> str | None:
+        """The name a tensor stored under ``stored`` goes by once ``transformers`` has loaded it: its checkpoint
+        renamings (GPT-NeoX's ``embed_out`` is ``lm_head``), and the base model's prefix added or dropped as the
+        model needs; None where a conversion of several stored tensors makes it (experts packed into one)."""
+        from transformers.core_model_loading import rename_source_key
+
+        renamings, converters, prefix, names = self._weight_transforms
+        loaded, converted = rename_source_key(stored, renamings, converters, prefix, names)
+        if loaded not in names and stored in names:  # as `transformers` does: the prefix alone, no renaming
+            loaded, converted = rename_source_key(stored, [], [], prefix, names)
+        return None if converted is not None else loaded
+
+    def _checkpoint_names(self, name: str) -> list[str]:
+        """The names a tensor of this module (``"blocks.3.self_attn.q_proj.weight"``) has in the model's checkpoint:
+        every ``transformers`` name of it (a tied weight has several, the checkpoint keeps one), and a LoRA-wrapped
+        layer's base weight as the base model stores it (without ``base_layer``)."""
+        names = self._hf_sources.get(name, [])
+        return list(dict.fromkeys([*names, *(n.replace(".base_layer.", ".") for n in names)]))
+
+    def _declare_pretrained(self) -> None:
+        """Where this module's weights come from, for the strategy (each rank its own stages) or :meth:`materialize`:
+        the folder a name or folder was built from; tensors the model's checkpoint cannot hold (a task head of ours,
+        LoRA adapters) keep their initialization."""
+        if self._pretrained_folder is None:
+            self.pipeline_pretrained = None
+            return
+        self.pipeline_pretrained = PretrainedWeights(
+            self._pretrained_folder,
+            rename=self._checkpoint_names,
+            optional=lambda name: name not in self._hf_sources or ".lora_" in name,
+            translate=self._loaded_name,
+        )
+
+    def configure_model(self) -> None:
+        """Under another strategy than ``BFPPStrategy`` (which reads each rank's own stages when it places them), read
+        the pretrained weights of a model built from a name or folder: :meth:`materialize`."""
+        strategy = getattr(_lightning_compat.attached_trainer(self), "strategy", None)
+        if not getattr(strategy, "fills_pretrained_per_stage", False):
+            self.materialize()
+
+    def materialize(self, device: torch.device | str = "cpu") -> None:
+        """Allocate whatever of the model is on the meta device, on ``device``, and fill it: from the pretrained
+        weights if the model was built from a name or folder (read whole, in the module's dtype), else as the model
+        initializes itself. For use on one device; a no-op when nothing is on the meta device."""
+        from lightning_bfpp.engine.layers import materialize_meta
+
+        if not any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            return
+        # each module allocates its own tensors: a weight tied across modules is tied again afterwards
+        places: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in self.modules():
+            for name, param in _compat.parameter_slots(module).items():
+                if param is not None:
+                    places.setdefault(id(param), []).append((module, name))
+        materialize_meta(self, torch.device(device))
+        for (owner, owner_name), *others in places.values():
+            for module, name in others:
+                _compat.parameter_slots(module)[name] = _compat.parameter_slots(owner)[owner_name]
+        if self.pipeline_pretrained is not None:
+            self.pipeline_pretrained.fill_module(self)
+
+    def _dtype_hparam(self, dtype: torch.dtype | str | None) -> dict[str, Any]:
+        """``dtype`` as a hyper-parameter (a name, as YAML and checkpoints keep it), when one was given."""
+        return {} if dtype is None else {"dtype": str(_dtype(dtype)).removeprefix("torch.")}
 
     def _lora_hparams(self) -> dict[str, Any]:
         if self.lora_config is None:
@@ -1172,7 +1339,11 @@ class HFCausalLM(_HFPipelineModule):
     ``model``: a ``*ForCausalLM``, its config (object, or ``config.to_dict()``), a name/folder for
     ``AutoModelForCausalLM.from_pretrained``, or a ``peft`` model with one LoRA adapter. ``lora``: a
     ``peft.LoraConfig`` (or its fields) whose adapters train while the model stays frozen; ``adapter_name``
-    names them. The steps take
+    names them. ``dtype`` (``torch.bfloat16`` or ``"bfloat16"``; default: the config's) is the dtype the weights
+    are kept in, whatever the checkpoint's. A name or folder is built on the meta device and read from its
+    safetensors where the layers are allocated: under ``BFPPStrategy`` each rank reads only its own stages'
+    tensors; under another strategy ``configure_model`` reads them all (:meth:`materialize` outside a Trainer).
+    The steps take
     batches as dicts (``input_ids``, optional ``attention_mask``, ``position_ids``, GPT-2's ``token_type_ids``,
     and ``labels``), tuples ``(input_ids, attention_mask, labels)``, or a tensor of ids; the logits are the
     model's ``model(**batch, use_cache=False)``. Packed documents (``position_ids`` restarting at 0 in each
@@ -1193,22 +1364,25 @@ class HFCausalLM(_HFPipelineModule):
         attn_implementation: str | None = None,
         lora: Any = None,
         adapter_name: str = "default",
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__()
-        hf_model = self._load_with_lora(model, AutoModelForCausalLM, attn_implementation, lora, adapter_name)
+        hf_model = self._load_with_lora(model, AutoModelForCausalLM, attn_implementation, lora, adapter_name, dtype)
         layers = causal_lm_layers(hf_model)
         self._adopt(
             hf_model, layers[:-1], layers[-1], ("input_ids", "attention_mask", "position_ids", "token_type_ids")
         )
         # the config as a dict, so `load_from_checkpoint` and `export_pretrained` rebuild the same model
-        self.save_hyperparameters(
+        _save_hyperparameters(
+            self,
             {
                 "model": hf_model.config.to_dict(),
                 "lr": lr,
                 "weight_decay": weight_decay,
                 "attn_implementation": _compat.attn_implementation(hf_model.config),
+                **self._dtype_hparam(dtype),
                 **self._lora_hparams(),
-            }
+            },
         )
 
     def forward(
@@ -1254,7 +1428,8 @@ class HFSequenceRegressor(_HFPipelineModule):
     """A BERT-family encoder with a pooling and a linear head, for sentence- or word-level tasks.
 
     ``model``: a ``BertModel``/``RobertaModel``, its config, or a name/folder for ``AutoModel.from_pretrained``
-    (``sentence-transformers/all-MiniLM-L6-v2`` is a ``BertModel``). ``num_labels=None`` is regression (one
+    (``sentence-transformers/all-MiniLM-L6-v2`` is a ``BertModel``; a name or folder is read as
+    :class:`HFCausalLM` reads one, in ``dtype``). ``num_labels=None`` is regression (one
     output, MSE against float labels); ``num_labels=k`` is classification (cross entropy against class
     indices). ``pooling`` is ``"mean"`` (default), ``"cls"``, ``"pooler"`` or ``"none"`` (one prediction per
     token; padded tokens, and class labels ``-100``, are ignored). Batches: dicts with ``input_ids``, optional
@@ -1278,16 +1453,18 @@ class HFSequenceRegressor(_HFPipelineModule):
         attn_implementation: str | None = None,
         lora: Any = None,
         adapter_name: str = "default",
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__()
         if num_labels is not None and num_labels < 2:
             raise ValueError(f"`num_labels` must be None (regression) or at least 2 (classes); got {num_labels}.")
-        hf_model = self._load_with_lora(model, AutoModel, attn_implementation, lora, adapter_name)
+        hf_model = self._load_with_lora(model, AutoModel, attn_implementation, lora, adapter_name, dtype)
         layers = encoder_layers(hf_model)
         head = PoolingHead(hf_model.config.hidden_size, num_labels or 1, pooling, getattr(hf_model, "pooler", None))
         self._adopt(hf_model, layers, head, ("input_ids", "attention_mask", "token_type_ids", "position_ids"))
         self.num_labels = num_labels
-        self.save_hyperparameters(
+        _save_hyperparameters(
+            self,
             {
                 "model": hf_model.config.to_dict(),
                 "num_labels": num_labels,
@@ -1295,8 +1472,9 @@ class HFSequenceRegressor(_HFPipelineModule):
                 "lr": lr,
                 "weight_decay": weight_decay,
                 "attn_implementation": _compat.attn_implementation(hf_model.config),
+                **self._dtype_hparam(dtype),
                 **self._lora_hparams(),
-            }
+            },
         )
 
     def forward(
@@ -1352,18 +1530,54 @@ class HFSequenceRegressor(_HFPipelineModule):
 TASK_HEAD_FILE = "bfpp_task_head.pt"
 
 
-def _module_from_checkpoint(
-    path: Path, weights_only: bool | None = None
-) -> tuple[_HFPipelineModule, dict[str, torch.Tensor]]:
-    """The module (built on the meta device, for its names) and the full state dict of a checkpoint."""
-    if path.is_dir():
-        checkpoint = _lightning_compat.load_distributed_checkpoint(path, weights_only=weights_only)
-        state = checkpoint.get("model")
-    else:
-        checkpoint = torch_load(path, weights_only=weights_only)
-        state = checkpoint.get("state_dict")
-    hparams = checkpoint.get("hyper_parameters") or {}
-    if state is None or "model" not in hparams:
+class _CheckpointTensors:
+    """A checkpoint's model weights, read on demand: a DCP folder's ``model`` entries (never the optimizer state),
+    or a ``torch.save`` file's ``state_dict``, memory-mapped. ``names``: the module names it holds (a parameter tied
+    across stages under each of its names, stored once)."""
+
+    def __init__(self, path: Path, weights_only: bool | None) -> None:
+        self.path = path
+        self.aliases: dict[str, str] = {}
+        if path.is_dir():
+            self.index = {
+                key[len(MODEL_KEY) + 1 :]: meta
+                for key, meta in reader(path, weights_only=weights_only).read_metadata().state_dict_metadata.items()
+                if key.startswith(MODEL_KEY + ".")
+            }
+            self.checkpoint = load_metadata(path, weights_only=weights_only)
+            self.aliases = dict(self.checkpoint.get(TIED_KEY) or {})
+            self.state = None
+        else:
+            self.checkpoint = torch_load(path, weights_only=weights_only, mmap=True)
+            self.state = self.checkpoint.get("state_dict")
+        self.weights_only = weights_only
+        stored = set(self.index if self.state is None else self.state)
+        self.names = [*stored, *(a for a, c in self.aliases.items() if c in stored and a not in stored)]
+
+    def layout(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """A stored tensor's dtype and shape, read from the index (nothing is loaded)."""
+        if self.state is not None:
+            return self.state[name].dtype, tuple(self.state[name].shape)
+        meta = self.index[self.aliases.get(name, name)]
+        return meta.properties.dtype, tuple(meta.size)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if self.state is not None:
+            return {name: self.state[name] for name in names}
+        keys = {name: self.aliases.get(name, name) for name in names}
+        request = {
+            f"{MODEL_KEY}.{key}": torch.empty(self.index[key].size, dtype=self.index[key].properties.dtype)
+            for key in set(keys.values())
+        }
+        dcp.load(request, storage_reader=reader(self.path, weights_only=self.weights_only), no_dist=True)
+        return {name: request[f"{MODEL_KEY}.{key}"] for name, key in keys.items()}
+
+
+def _checkpoint_tensors(path: Path, weights_only: bool | None) -> tuple[_HFPipelineModule, _CheckpointTensors]:
+    """The module (built on the meta device, for its names and config) and the checkpoint's weights, unread."""
+    tensors = _CheckpointTensors(path, weights_only)
+    hparams = tensors.checkpoint.get("hyper_parameters") or {}
+    if not tensors.names or "model" not in hparams:
         raise ValueError(
             f"{path} is not a checkpoint of an `HFCausalLM`/`HFSequenceRegressor` (it lacks the weights or the"
             " `model` hyper-parameter that holds the config)."
@@ -1371,7 +1585,88 @@ def _module_from_checkpoint(
     cls = HFSequenceRegressor if "pooling" in hparams else HFCausalLM
     with torch.device("meta"):
         module = cls(**hparams)
-    return module, state
+    return module, tensors
+
+
+def _bytes(size: int | str) -> int:
+    """``5_000_000``, ``"5GB"``, ``"500MB"`` or ``"2GiB"`` as bytes (``save_pretrained``'s ``max_shard_size``)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for suffix, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                           ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def _read_in_parts(
+    tensors: _CheckpointTensors, shard: list[tuple[str, str]], part_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """An output shard's tensors (``transformers`` name -> tensor), read from the checkpoint a part of about
+    ``part_bytes`` at a time (a tensor larger than that on its own), in the shard's order."""
+    part: list[tuple[str, str]] = []
+    size = 0
+    for hf_name, ours in [*shard, ("", "")]:
+        nbytes = 0 if not ours else math.prod(tensors.layout(ours)[1]) * tensors.layout(ours)[0].itemsize
+        if part and (not ours or size + nbytes > part_bytes):
+            read = tensors.read([name for _, name in part])
+            yield {hf: read[name] for hf, name in part}
+            del read
+            part, size = [], 0
+        if ours:
+            part.append((hf_name, ours))
+            size += nbytes
+
+
+def _write_shards(
+    module: _HFPipelineModule, tensors: _CheckpointTensors, out: Path, max_shard_size: int | str, kwargs: dict
+) -> Path:
+    """A ``save_pretrained`` folder written one safetensors shard at a time, each read from the checkpoint a quarter
+    shard at a time as it is written: host memory holds a part of one output shard. A tied weight is written once,
+    under the model's first name for it, as ``save_pretrained`` does."""
+    if kwargs:
+        raise TypeError(f"export_pretrained from a checkpoint takes `max_shard_size` only; got {sorted(kwargs)}")
+    out.mkdir(parents=True, exist_ok=True)
+    limit, written = _bytes(max_shard_size), set()
+    shards: list[list[tuple[str, str]]] = [[]]  # (transformers name, this module's name) per output shard
+    size = 0
+    for hf_name, ours in module.hf_names.items():
+        if ours in written:
+            continue
+        written.add(ours)
+        dtype, shape = tensors.layout(ours)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((hf_name, ours))
+        size += nbytes
+    count = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        layout = {hf_name: tensors.layout(ours) for hf_name, ours in shard}
+        write_safetensors(out / file, layout, _read_in_parts(tensors, shard, limit // 4), metadata={"format": "pt"})
+        total += sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout.values())
+        weight_map.update(dict.fromkeys(layout, file))
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = copy.deepcopy(module.hf_config)
+    with torch.device("meta"):  # the model's class, for the config's `architectures` (as `save_pretrained` sets it)
+        model = (AutoModel if isinstance(module, HFSequenceRegressor) else AutoModelForCausalLM).from_config(config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    if isinstance(module, HFSequenceRegressor):
+        names = [name for name in tensors.names if name.startswith("head.classifier.")]
+        head = {k[len("head.") :]: v for k, v in tensors.read(names).items()}
+        torch.save(
+            {"pooling": module.hparams["pooling"], "num_labels": module.num_labels, "state_dict": head},
+            out / TASK_HEAD_FILE,
+        )
+    return out
 
 
 def export_pretrained(
@@ -1399,10 +1694,13 @@ def export_pretrained(
     ``merge=True``, as the whole model with the adapters merged into its weights (``merge_and_unload``), which
     ``from_pretrained`` loads without ``peft``.
     """
-    if isinstance(source, _HFPipelineModule):
-        module, full = source, source.full_state_dict()
+    if not isinstance(source, _HFPipelineModule):
+        module, tensors = _checkpoint_tensors(Path(source), weights_only)
+        if module.lora_config is None:  # the model's weights alone, one output shard at a time
+            return _write_shards(module, tensors, Path(out_dir), save_kwargs.pop("max_shard_size", "5GB"), save_kwargs)
+        full = {name: tensors.read([name])[name] for name in tensors.names}
     else:
-        module, full = _module_from_checkpoint(Path(source), weights_only)
+        module, full = source, source.full_state_dict()
     state = {hf: full[ours] for hf, ours in module.hf_names.items()}
     config = copy.deepcopy(module.hf_config)
     auto_class = AutoModel if isinstance(module, HFSequenceRegressor) else AutoModelForCausalLM

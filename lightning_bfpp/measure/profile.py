@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from lightning_bfpp.engine._compat import (
     kept_for_weight_pass,
     tree_flatten,
 )
-from lightning_bfpp.engine.layers import pipeline_layers
+from lightning_bfpp.engine.layers import materialize_meta, pipeline_layers
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile
 
 
@@ -102,6 +103,38 @@ def _split_backward(
     return middle - start, time.perf_counter() - resumed, kept
 
 
+def _return_freed_memory(device: torch.device) -> None:
+    """Give the memory the measured copies used back, so that the stages allocated next do not come on top of it:
+    glibc keeps freed heap memory for reuse (``malloc_trim`` returns it), CUDA's caching allocator its blocks."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _alike(layer: nn.Module, inputs: tuple[Any, ...], first: bool) -> tuple[Any, ...]:
+    """What a layer's cost depends on: its class and kind (a decoder block's attention type), its tensors' names,
+    shapes, dtypes and whether they train, and its inputs' shapes and dtypes. Layers alike in all of these (a
+    transformer's blocks) are measured once: each rank's profile then costs one layer of each kind, whatever the
+    depth, and never holds the whole model."""
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in layer.state_dict(keep_vars=True).items()
+    )
+    shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(inputs))
+    return type(layer).__qualname__, getattr(layer, "layer_type", None), tensors, shapes, first
+
+
+def _placed(layer: nn.Module, device: torch.device) -> nn.Module:
+    """``layer`` itself if its tensors are on ``device``; else a copy there, allocated and initialized with its own
+    ``reset_parameters`` where it was built on the meta device (a model that needs a pipeline is never moved whole)."""
+    tensors = [*layer.parameters(), *layer.buffers()]
+    if all(t.device == device for t in tensors):
+        return layer
+    probe = copy.deepcopy(layer)
+    materialize_meta(probe, device)
+    return probe.to(device)
+
+
 def profile_module(
     module: LightningModule,
     batch: Any,
@@ -113,7 +146,9 @@ def profile_module(
     tensor_mesh: DeviceMesh | None = None,
     split_backward: bool = True,
 ) -> ModelProfile:
-    """Per-layer costs of ``module`` for one micro-batch, ``batch`` (already on the module's device).
+    """Per-layer costs of ``module`` for one micro-batch, ``batch`` (on the device to measure on: a layer elsewhere,
+    or on the meta device, is measured on a copy there, one layer at a time), each kind of layer measured once
+    (:func:`_alike`).
 
     ``split_backward=False`` skips torch's split backward (``backward_input_s`` and ``backward_weight_s`` left
     unknown): only a zero-bubble schedule needs it, and it costs another forward and backward per layer.
@@ -129,10 +164,20 @@ def profile_module(
     costs = []
     inputs: tuple[Any, ...] = args
     first = True
+    # a layer alike one measured already, on inputs alike, costs what that one cost, and gives outputs alike
+    measured: dict[tuple[Any, ...], tuple[LayerCost, tuple[Any, ...]]] = {}
     for _, layer in layers:
-        if parallelize is not None:
-            layer = copy.deepcopy(layer)
-            layer = parallelize(layer, tensor_mesh) or layer
+        key = _alike(layer, inputs, first)
+        if key in measured:
+            cost, inputs = measured[key]
+            costs.append(cost)
+            first = False
+            continue
+        placed = _placed(layer, device)
+        if parallelize is not None:  # on a copy: the module's own layer stays whole
+            placed = copy.deepcopy(placed) if placed is layer else placed
+            placed = parallelize(placed, tensor_mesh) or placed
+        layer = placed
         # the first run counts the group's collectives: in the forward, and in the whole backward
         forward_count, backward_count = CollectiveCounter(), CollectiveCounter()
         param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
@@ -140,6 +185,10 @@ def profile_module(
         saved_bytes = kept = 0
         output: Any = None
         for attempt in range(repeats + 1):
+            # each backward starts without gradients, as a step's first micro-batch does: accumulating over the
+            # attempts would hold a second gradient of the layer beside the one it adds to (an embedding's
+            # gradient is as large as the embedding)
+            layer.zero_grad(set_to_none=True)
             leaves = [
                 # the batch needs no gradient, as in the pipeline; later layers' inputs are activations
                 t.detach().requires_grad_(t.is_floating_point() and not first) if isinstance(t, torch.Tensor) else t
@@ -211,6 +260,10 @@ def profile_module(
         )
         outputs = _tensors(output)
         inputs = tuple(t.detach() for t in outputs) if isinstance(output, tuple) else (output.detach(),)
+        measured[key] = (costs[-1], inputs)
+        # a copy measured is freed, with the graph its last outputs hold, before the next one is made
+        del layer, placed, output, outs, leaves, activation
         first = False
     size = microbatch_size or (sizes.pop() if len(sizes) == 1 else 1)
+    _return_freed_memory(device)
     return ModelProfile(tuple(costs), microbatch_size=size, name=name or type(module).__name__)

@@ -64,16 +64,26 @@ TIED = [hf_run(f"hf_{family}_tied", family, model={"tie": True}) for family in (
 # a `save_pretrained` folder (a tied Llama) → pipelined training → export → `from_pretrained` on one device
 PRETRAINED = Path(tempfile.mkdtemp(prefix="bfpp-hf-pretrained-"))
 FROM_FOLDER = hf_run(
-    "hf_llama_from_folder", "llama", model={"tie": True, "pretrained": str(PRETRAINED)}, checks=["save_at_end"]
+    "hf_llama_from_folder",
+    "llama",
+    model={"tie": True, "pretrained": str(PRETRAINED)},
+    checks=["save_at_end", "no_foreign_tensors"],
 )
-RUNS = [*EQUIVALENCE, PACKED, META, *TIED, FROM_FOLDER]
+# the same weights stored in bf16, kept in fp32 (`dtype=`): converted as each rank reads its own stages' tensors
+PRETRAINED_BF16 = Path(tempfile.mkdtemp(prefix="bfpp-hf-pretrained-bf16-"))
+FROM_BF16_FOLDER = hf_run(
+    "hf_llama_from_bf16_folder", "llama", model={"tie": True, "pretrained": str(PRETRAINED_BF16), "dtype": "float32"}
+)
+RUNS = [*EQUIVALENCE, PACKED, META, *TIED, FROM_FOLDER, FROM_BF16_FOLDER]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("huggingface")
     torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(tiny_config("llama", layers=3, tie=True)).save_pretrained(PRETRAINED)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=3, tie=True))
+    model.save_pretrained(PRETRAINED, max_shard_size="50KB")  # sharded: each rank opens only its stages' files
+    model.to(torch.bfloat16).save_pretrained(PRETRAINED_BF16)
     return workdir, launch(RUNS, 4, workdir, timeout=480)
 
 
@@ -82,9 +92,17 @@ def results(launched):
     return launched[1]
 
 
-@pytest.mark.parametrize("run", [*EQUIVALENCE, PACKED, *TIED, FROM_FOLDER], ids=lambda r: r.name)
+@pytest.mark.parametrize("run", [*EQUIVALENCE, PACKED, *TIED, FROM_FOLDER, FROM_BF16_FOLDER], ids=lambda r: r.name)
 def test_matches_single_device(run, results):
     assert_trained_as_reference(results[run.name], hf_reference_run(run), run, tol=TOL, atol=ATOL)
+
+
+def test_a_pretrained_folder_leaves_no_rank_holding_another_ranks_layers(results):
+    """Built on the meta device and read per stage, with the garbage collector off from the model's creation to the
+    end of setup: no tensor of a layer another rank holds is alive anywhere."""
+    for rank in results[FROM_FOLDER.name].ranks:
+        foreign = rank["foreign_tensors"]
+        assert foreign["kept"] and foreign["dropped"] and foreign["alive"] == 0, foreign
 
 
 @pytest.mark.parametrize("run", EQUIVALENCE, ids=lambda r: r.name)

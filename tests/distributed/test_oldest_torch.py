@@ -18,6 +18,7 @@ from tests.models import RunSpec
 
 pytestmark = [
     pytest.mark.distributed,
+    pytest.mark.oldest_torch,
     pytest.mark.timeout(600),
     pytest.mark.skipif(
         torch_version() != SUPPORTED_TORCH[0], reason="the whole suite covers these runs on a newer torch"

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +47,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-import lightning_bfpp  # noqa: F401  (registers "bfpp")
+import lightning_bfpp  # registers "bfpp"
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 from tests import models as test_models
@@ -503,6 +505,102 @@ def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"error": None, "rank": dist.get_rank()}))
 
 
+class ForeignTensors(L.Callback):
+    """``no_foreign_tensors``: with the garbage collector off from the model's creation, after setup every tensor
+    of another rank's layers is gone (weak references to each layer's tensors, taken before setup); records, per
+    rank, how many layers were kept and how many dropped ones' tensors are still alive."""
+
+    def __init__(self, model: L.LightningModule) -> None:
+        from lightning_bfpp.engine.layers import pipeline_layers
+
+        gc.disable()
+        self.refs = {
+            name: [weakref.ref(t) for t in layer.state_dict(keep_vars=True).values()]
+            for name, layer in pipeline_layers(model)
+        }
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        kept = {name for name in self.refs if not isinstance(pl_module.get_submodule(name), RemoteLayer)}
+        alive = sum(ref() is not None for name, refs in self.refs.items() if name not in kept for ref in refs)
+        gc.enable()
+        pl_module.bfpp_foreign = {"kept": len(kept), "dropped": len(self.refs) - len(kept), "alive": alive}
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field (``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class SetupMemory(L.Callback):
+    """``setup_memory``: this process's resident memory added by the model's creation (and the process group's,
+    up to Lightning's ``setup`` hook), then its peak through the strategy's setup over its resident memory at that
+    hook (the peak reset there: ``/proc/self/clear_refs``), beside the bytes of the tensors it holds after setup
+    (its own stages), and its peak through training from the same point."""
+
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self.baseline = _status_kib("VmRSS")
+        self.started = time.perf_counter()
+        self.first_step_s: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self.first_step_s is None:  # from the model's creation to the first step (fit's setup, all of it)
+            self.first_step_s = time.perf_counter() - self.started
+            pl_module.bfpp_setup_memory["creation_to_first_step_s"] = self.first_step_s
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # the model is built and the processes' group exists: from here the strategy builds (profile, placement,
+        # reading the stages' weights); what came before is imports (transformers' on a model's creation: about
+        # 80 MB) and the group (about 40 MB)
+        self.at_setup = (_status_kib("VmRSS") - self.baseline) * 1024
+        self.meta_at_setup = all(t.is_meta for t in pl_module.state_dict().values())
+        Path("/proc/self/clear_refs").write_text("5")
+        self.setup_baseline = _status_kib("VmRSS")
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        held = {id(t): t for t in pl_module.state_dict(keep_vars=True).values()}.values()
+        local = sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in held)
+        pl_module.bfpp_setup_memory = {
+            "resident_at_setup": self.at_setup,
+            "meta_at_setup": self.meta_at_setup,
+            "setup_peak": (_status_kib("VmHWM") - self.setup_baseline) * 1024,
+            "held_bytes": local,
+            "rss_anon": _status_kib("RssAnon") * 1024,
+            "rss_file": _status_kib("RssFile") * 1024,
+        }
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.bfpp_setup_memory["peak_through_training"] = (_status_kib("VmHWM") - self.setup_baseline) * 1024
+
+
+class DataCap(L.Callback):
+    """``memory_cap:<bytes>:<whole>``: from Lightning's ``setup`` hook (the model built, the processes' group up) to
+    the end of the run, this process may allocate at most ``<bytes>`` more data (``RLIMIT_DATA`` over what it uses
+    then); records whether allocating ``<whole>`` bytes at once fails under the cap."""
+
+    def __init__(self, nbytes: int, whole: int) -> None:
+        import resource
+
+        self.resource, self.nbytes, self.whole = resource, nbytes, whole
+        self.limits = resource.getrlimit(resource.RLIMIT_DATA)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        data = self.resource.RLIMIT_DATA
+        self.resource.setrlimit(data, (_status_kib("VmData") * 1024 + self.nbytes, self.limits[1]))
+        try:
+            torch.empty(self.whole, dtype=torch.uint8)
+            refused = False
+        except (MemoryError, RuntimeError):
+            refused = True
+        pl_module.bfpp_memory_cap = {"cap": self.nbytes, "whole_refused": refused}
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.resource.setrlimit(self.resource.RLIMIT_DATA, self.limits)
+
+
 def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     events.clear()
     recorder, probe = StepRecorder(), Probe(events, layer_probe="layer_probe" in run.checks)
@@ -523,11 +621,23 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     if "plugin_factories" in kwargs:
         kwargs["plugins"] = [load_factory(name)() for name in kwargs.pop("plugin_factories")]
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks, **kwargs)
+    cap = next((check.split(":")[1:] for check in run.checks if check.startswith("memory_cap:")), None)
+    if cap is not None:
+        trainer.callbacks.append(DataCap(*map(int, cap)))
+    if "setup_memory" in run.checks:
+        trainer.callbacks.append(SetupMemory())  # before the model exists
     if "empty_init" in run.checks:
         with trainer.init_module(empty_init=True):
             model = make_model(run)
     else:
         model = make_model(run)
+    # "pretrained:<file or folder>" (relative to the runs' folder, as `resume_from`): the weights come from a full
+    # checkpoint, each rank reading its own stages' (lightning_bfpp.load_pretrained)
+    pretrained = next((check.split(":", 1)[1] for check in run.checks if check.startswith("pretrained:")), None)
+    if pretrained is not None:
+        lightning_bfpp.load_pretrained(model, out.parent / pretrained)
+    if "no_foreign_tensors" in run.checks:  # see ForeignTensors: the collector stays off until it has checked
+        trainer.callbacks.append(ForeignTensors(model))
     if run.loader_factory is not None:
         loader = load_factory(run.loader_factory)(run, trainer)
     else:
@@ -546,6 +656,12 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         extras = after_fit(trainer, model, run, run.local_batch_size)
     if "warnings" in run.checks:
         extras["warnings"] = sorted({str(w.message) for w in caught})
+    if "no_foreign_tensors" in run.checks:
+        extras["foreign_tensors"] = model.bfpp_foreign
+    if "setup_memory" in run.checks:
+        extras["setup_memory"] = model.bfpp_setup_memory
+    if cap is not None:
+        extras["memory_cap"] = model.bfpp_memory_cap
     if ranking is not None:
         extras["planner_ranking"] = {
             "ranked": list(ranking),

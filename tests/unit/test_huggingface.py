@@ -9,9 +9,11 @@ pytest.importorskip("transformers")
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, BertForSequenceClassification, LlamaModel
 
 from lightning_bfpp.engine.layers import keep_local_layers, materialize_remaining, pipeline_layers
+from lightning_bfpp.engine.pretrained import PretrainedWeightsError, layer_tensors
 from lightning_bfpp.engine.tied import find_ties
 from lightning_bfpp.integrations.huggingface import (
     CAUSAL_LM_FAMILIES,
@@ -135,10 +137,125 @@ def test_meta_device_creation_materializes_like_a_normal_model(family):
         assert_close(module_output(meta, family, ids, mask), module_output(normal, family, ids, mask))
 
 
-def test_pretrained_weights_are_not_loaded_on_the_meta_device(tmp_path):
-    hf_model("llama").save_pretrained(tmp_path)
-    with torch.device("meta"), pytest.raises(ValueError, match="would discard them"):
-        HFCausalLM(str(tmp_path))
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # untied, and tied embeddings (GPT-2)
+def test_a_pretrained_folder_is_built_on_meta_and_each_rank_reads_its_own_layers(family, tmp_path):
+    """A name or folder builds the model on the meta device; placing a rank's layers reads only their tensors (a
+    tied head finds the embedding's), in the dtype asked for, from a sharded folder."""
+    model = hf_model(family)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards and an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    module = HFCausalLM(str(tmp_path), dtype="bfloat16")
+    assert all(t.is_meta for t in module.state_dict().values())
+    assert module.hparams["dtype"] == "bfloat16" and module.pipeline_pretrained is not None
+    named = pipeline_layers(module)
+    owner = [0] * (len(named) // 2) + [1] * (len(named) - len(named) // 2)  # rank 1: the second half, the head
+    local = keep_local_layers(module, named, owner, 1, torch.device("cpu"))
+    targets = layer_tensors(local)
+    read = module.pipeline_pretrained.fill(targets)
+    want = model.state_dict()
+    for name, tensor in targets.items():
+        hf_name = module._checkpoint_names(name)[0]
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, want[hf_name].to(torch.bfloat16)), name
+    stored = {n for name in targets for n in module._checkpoint_names(name)[:1]}
+    assert read == sum(want[n].numel() * want[n].element_size() for n in stored)  # those tensors, nothing else
+    assert read < sum(t.numel() * t.element_size() for t in want.values())
+
+
+def test_materialize_reads_the_whole_model_as_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", tie=True))
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):  # as `trainer.init_module(empty_init=True)` creates it: nothing is discarded
+        module = HFCausalLM(str(tmp_path))
+    module.materialize()
+    assert module.embed.embed_tokens.weight is module.head.lm_head.weight  # still tied
+    assert_same_outputs(AutoModelForCausalLM.from_pretrained(tmp_path), module, "qwen2")
+
+
+def assert_same_outputs(loaded, module, family: str) -> None:
+    """A `transformers` model and a module give the same outputs on a padded batch (both in eval mode)."""
+    loaded.eval()
+    module.eval()
+    ids, mask = inputs(padded=True)
+    with torch.no_grad():
+        assert_close(hf_output(loaded, family, ids, mask), module_output(module, family, ids, mask))
+
+
+def test_lora_over_a_pretrained_folder_reads_the_base_weights_and_keeps_the_adapters_init(tmp_path):
+    pytest.importorskip("peft")
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path)
+    module = HFCausalLM(str(tmp_path), lora={"r": 2, "target_modules": ["q_proj", "v_proj"]})
+    module.materialize()
+    state = module.state_dict()
+    base = [n for n in state if ".base_layer." in n]
+    assert base and all(torch.equal(state[n], model.state_dict()[module._checkpoint_names(n)[-1]]) for n in base)
+    assert all(torch.all(state[n] == 0) for n in state if ".lora_B." in n)  # LoRA's own init: B starts at zero
+
+
+def test_pretrained_checkpoints_that_cannot_fill_the_layers_are_named(tmp_path):
+    model = hf_model("llama")
+    bin_folder = tmp_path / "bin"
+    model.save_pretrained(bin_folder, safe_serialization=False) if _saves_bin() else _write_bin(model, bin_folder)
+    module = HFCausalLM(str(bin_folder))
+    with pytest.raises(PretrainedWeightsError, match=r"holds no safetensors file \(pytorch_model\.bin\)"):
+        module.materialize()
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    shards[-1].unlink()
+    with pytest.raises(PretrainedWeightsError, match=rf"{shards[-1].name}, which .*index\.json names for `"):
+        HFCausalLM(str(sharded)).materialize()
+    single = tmp_path / "single"
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"][:-1]
+    model.config.save_pretrained(single)
+    save_file(state, single / "model.safetensors")
+    with pytest.raises(
+        PretrainedWeightsError, match=r"has no tensor for `head\.norm\.weight` \(as 'model\.norm\.weight'\)"
+    ):
+        HFCausalLM(str(single)).materialize()
+    state["model.norm.weight"] = model.state_dict()["model.norm.weight"]
+    save_file(state, single / "model.safetensors")
+    with pytest.raises(PretrainedWeightsError, match=r"`model\.layers\.0\.mlp\.up_proj\.weight` in .* has shape"):
+        HFCausalLM(str(single)).materialize()
+
+
+def _saves_bin() -> bool:
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return "safe_serialization" in inspect.signature(PreTrainedModel.save_pretrained).parameters
+
+
+def _write_bin(model, folder) -> None:
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+
+def test_a_dropped_layer_is_freed_without_the_garbage_collector():
+    """Nothing of the adapter keeps a layer in a reference cycle (each submodule's `reset_parameters` refers to its
+    modules weakly; Lightning's hyper-parameter capture is given its frame): a layer the strategy drops (another
+    rank's) is freed as soon as it is unreferenced, with the collector off from the model's creation on."""
+    import gc
+    import weakref
+
+    def keep_first_layer_only(module) -> None:
+        named = pipeline_layers(module)
+        keep_local_layers(module, named, [0] + [1] * (len(named) - 1), 0, torch.device("cpu"))
+
+    gc.collect()
+    gc.disable()
+    try:
+        module = HFCausalLM(hf_model("llama"))
+        refs = [weakref.ref(p) for p in module.blocks[0].parameters()]
+        keep_first_layer_only(module)
+        assert refs and all(ref() is None for ref in refs)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("family", CAUSAL_FAMILIES)
@@ -327,6 +444,30 @@ def test_export_loads_with_from_pretrained_and_gives_equal_outputs(family, sourc
         assert torch.equal(head["state_dict"]["classifier.weight"], module.head.classifier.weight.detach())
 
 
+def test_export_from_a_checkpoint_streams_shards_and_never_reads_the_optimizer_state(tmp_path, monkeypatch):
+    """From a BFPPStrategy checkpoint folder, each output shard's tensors are read just before it is written, and
+    only the model's: the optimizer state is never requested."""
+    torch.manual_seed(0)
+    module = make_module("llama", tiny_config("llama"))
+    perturbed(module)
+    what = tmp_path / "bfpp.ckpt"
+    optimizer = {f"{name}.exp_avg": torch.randn(t.shape) for name, t in module.state_dict().items()}
+    dcp.save({"model": module.state_dict(), "optimizer_0": optimizer}, checkpoint_id=what, no_dist=True)
+    torch.save({"hyper_parameters": dict(module.hparams)}, what / "meta.pt")
+    requests: list[list[str]] = []
+    load = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda request, **kw: requests.append(list(request)) or load(request, **kw))
+    out = export_pretrained(what, tmp_path / "exported", max_shard_size="20KB")
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").exists()
+    assert len(requests) >= len(shards)  # each shard read in parts as it is written
+    assert all(key.startswith("model.") for keys in requests for key in keys)
+    largest = max(sum(module.state_dict()[k[len("model.") :]].numel() * 4 for k in keys) for keys in requests)
+    biggest = max(t.numel() * 4 for t in module.state_dict().values())
+    assert largest <= max(5_000, biggest)  # a quarter shard at a time (one tensor larger than that on its own)
+    assert_same_outputs(AutoModelForCausalLM.from_pretrained(out), module, "llama")
+
+
 def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
     torch.manual_seed(0)
     module = HFCausalLM(tiny_config("qwen2"), lr=3e-3)
@@ -357,6 +498,7 @@ def test_predict_step_returns_the_heads_output_and_pretrained_models_train(tmp_p
                         intermediate_size=64, max_position_embeddings=16)  # fmt: skip
     BertModel(config).save_pretrained(tmp_path / "bert")
     module = HFSequenceRegressor(str(tmp_path / "bert"))
+    module.materialize()  # built on the meta device; outside a Trainer the weights are read here
     assert all(m.training for m in module.modules())  # dropout on, as the config asks, though loaded in eval mode
     module.eval()
     ids = torch.randint(0, 50, (3, 6))

@@ -118,3 +118,23 @@ def test_time_partition_balances_compute_where_parameters_do_not():
         assert best["parameters"] > 0.5, attempts
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_meta_model_is_profiled_one_layer_of_each_kind_without_being_materialized():
+    """Built on the meta device (as a model too large for one process is), the profile measures one copy of each
+    kind of layer on the batch's device (GPT-2: the embedding, one block, the head), allocating nothing of the
+    module, and gives the blocks one cost: what `partition="time"` and the planner read."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        module = _gpt2_shaped()
+    calls: list[str] = []
+    for name, layer in pipeline_layers(module):
+        layer.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    profile = profile_module(module, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, repeats=1)
+    assert all(t.is_meta for t in module.state_dict().values())  # the module itself: untouched
+    assert set(calls) == {"embed", "blocks.0", "head"}  # the copies (which keep the hooks) of one layer per kind
+    blocks = profile.layers[1:-1]
+    assert len(profile.layers) == 10 and len({(b.forward_s, b.backward_s) for b in blocks}) == 1
+    assert profile.layers[0].param_bytes == VOCAB * 128 * 4 + SEQ * 128 * 4  # token and position embeddings
+    assert all(b.param_bytes == blocks[0].param_bytes > 0 for b in blocks)
