@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.config import AUTO, PipelineConfig
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.schedules import get_schedule, schedule_names
-from lightning_bfpp.plan.search import Candidate, SearchSpace, format_table, search_per_replica_batch
+from lightning_bfpp.plan.search import Candidate, SearchSpace, format_size, format_table, search_per_replica_batch
 
 # assumed when no `cluster=` is given; they decide only how communication weighs against compute
 _DEFAULT_BANDWIDTH = {"cuda": (100e9, 12.5e9), "cpu": (1e9, 1e9)}
@@ -183,11 +184,42 @@ def _choose_here(
     candidates = search_per_replica_batch(profile, cluster, profile.microbatch_size, space)
     feasible = [c for c in candidates if c.infeasible is None]
     if not feasible:
-        return RuntimeError(
-            "BFPPStrategy(pipeline_parallel_size='auto'): no configuration fits; the planner says:\n"
-            + format_table(candidates, top=0, infeasible=10)
-        )
+        return RuntimeError(no_layout_fits(config, space, candidates, cluster))
     return feasible[0], format_table(candidates, top=5, infeasible=3)
+
+
+def given_arguments(config: PipelineConfig) -> str:
+    """``BFPPStrategy(...)`` with the arguments of ``config`` that differ from their defaults: what the user set."""
+    defaults = PipelineConfig()
+    given = [
+        f"{f.name}={getattr(config, f.name)!r}"
+        for f in fields(config)
+        if getattr(config, f.name) != getattr(defaults, f.name)
+    ]
+    return f"BFPPStrategy({', '.join(given)})"
+
+
+def no_layout_fits(
+    config: PipelineConfig, space: SearchSpace, candidates: Sequence[Candidate], cluster: Cluster
+) -> str:
+    """Why the planner has nothing to run: per schedule kind it considered, the reason its layouts were excluded
+    (the most common one, with how many it excluded), or that no layout of that kind matches the sizes."""
+    lines = []
+    for name in space.schedules:
+        reasons = [c.infeasible for c in candidates if c.plan.schedule == name and c.infeasible]
+        if not reasons:
+            lines.append(f"- {name}: no layout of {cluster.num_devices} processes matches the other arguments")
+            continue
+        # by kind of reason ("memory: 32.1 MiB > 1.0 MiB" and "memory: 8.1 MiB > …" are one), most frequent first
+        kinds = Counter(reason.split(":")[0] for reason in reasons)
+        example = {kind: next(r for r in reasons if r.split(":")[0] == kind) for kind in kinds}
+        lines.append(f"- {name}: " + "; ".join(f"{n} layout(s) excluded: {example[k]}" for k, n in kinds.most_common()))
+    budget = f" within {format_size(cluster.memory_bytes)} per device" if cluster.memory_bytes else ""
+    return (
+        f"{given_arguments(config)}: the planner found no layout that runs{budget} on {cluster.num_devices}"
+        " processes. By schedule:\n" + "\n".join(lines) + "\nFix one of these: more devices or memory"
+        " (`memory_budget=`), fewer fixed arguments (leave them 'auto'), or another `schedule=`/`sharding=`."
+    )
 
 
 def choose(

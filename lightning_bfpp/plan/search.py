@@ -112,8 +112,8 @@ def _configurations(
                         yield plan, kind.infeasible(plan, profile, cluster, space)
                         continue
                     for sharding in space.shardings:
-                        if dp == 1 and sharding != "full_shard":
-                            continue  # without data parallelism the three coincide
+                        if dp == 1 and sharding != space.shardings[0]:
+                            continue  # without data parallelism every sharding runs the same: the first asked
                         # without a pipeline or without data parallelism both orders give the same ranks
                         for order in mesh_orders if p > 1 and dp > 1 else mesh_orders[:1]:
                             plan = Plan(
@@ -165,7 +165,7 @@ def search(
             candidates.append(Candidate(config, infeasible=str(error)))
             continue
         if prediction.peak_memory > cluster.memory_bytes:
-            reason = f"memory: {prediction.peak_memory / 2**30:.1f} GiB > {cluster.memory_bytes / 2**30:.1f} GiB"
+            reason = f"memory: {format_size(prediction.peak_memory)} > {format_size(cluster.memory_bytes)}"
             candidates.append(Candidate(config, prediction, infeasible=reason))
         else:
             candidates.append(Candidate(config, prediction))
@@ -173,6 +173,11 @@ def search(
         candidates,
         key=lambda c: (c.infeasible is not None, c.prediction.step_time if c.prediction else float("inf")),
     )
+
+
+def format_size(nbytes: float) -> str:
+    """``5.9 GiB``, or ``12.0 MiB`` below a GiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def search_per_replica_batch(
