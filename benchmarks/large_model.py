@@ -72,14 +72,16 @@ def main(argv: list[str] | None = None) -> dict:
         results["sizes"][p] = {"launch_s": time.perf_counter() - started, "ranks": ranks}
     one = results["sizes"][1]["ranks"][0]
     print(f"model: {model_bytes / 2**20:,.0f} MiB; per rank: held / setup peak / peak through the first step (MiB);"
-          " seconds from the model's creation to the first step")  # fmt: skip
+          " seconds from the model's creation to the first step; the strategy's setup (profile, placement, reads) and"
+          " the first step")  # fmt: skip
     for p, entry in results["sizes"].items():
         for rank, m in enumerate(entry["ranks"]):
             seconds = m["creation_to_first_step_s"]
             print(
                 f"p={p} rank {rank}: {m['held_bytes'] / 2**20:7,.0f} / {m['setup_peak'] / 2**20:7,.0f} /"
                 f" {m['peak_through_training'] / 2**20:7,.0f}   ideal share {model_bytes / p / 2**20:7,.0f}   "
-                f"{seconds:6.1f} s ({seconds / one['creation_to_first_step_s']:.2f} of p=1)"
+                f"{seconds:6.1f} s ({seconds / one['creation_to_first_step_s']:.2f} of p=1); setup"
+                f" {m['setup_s']:.1f} s, first step {m['first_step_s']:.1f} s"
             )
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")

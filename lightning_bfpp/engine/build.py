@@ -35,7 +35,7 @@ from lightning_bfpp.engine.layers import (
     layer_weights,
 )
 from lightning_bfpp.engine.pipeline import Pipeline
-from lightning_bfpp.engine.placing import Build, BuildContext, finish_module, keep_layers, parallelised
+from lightning_bfpp.engine.placing import Build, BuildContext, fill_pretrained, finish_module, keep_layers, parallelised
 from lightning_bfpp.engine.reductions import GradientReductions
 from lightning_bfpp.engine.sharding import DATA_PARALLEL, PIPELINE_PARALLEL, shard_stage, tensor_parallel_mesh
 from lightning_bfpp.engine.tied import TiedParameters, TieGroup, check_shared_modules, find_ties, retie
@@ -57,12 +57,17 @@ def place_stages(
     device, me = context.device, context.pipeline_rank
     layer_stage = plan.stage_of_layer()
     stage_owner = [plan.rank_of(s) for s in range(plan.num_stages)]
-    local, identities = keep_layers(module, named, [stage_owner[s] for s in layer_stage], me, context)
     tensor_mesh = tensor_parallel_mesh(context.device_mesh)
-    if tensor_mesh is not None and context.parallelize is not None:
+    split = tensor_mesh is not None and context.parallelize is not None
+    # split over the tensor group first, so that each rank reads only its part of a split weight
+    local, identities = keep_layers(
+        module, named, [stage_owner[s] for s in layer_stage], me, context, read_pretrained=not split
+    )
+    if split:
         for name, layer in local.items():
             if not parallelised(layer):
                 local[name] = context.parallelize(layer, tensor_mesh) or layer
+        fill_pretrained(local, context)
     tied = retie(identities, ties, layer_stage, stage_owner)
     finish_module(module, context)
     stage_modules = []

@@ -340,8 +340,6 @@ def keep_local_layers(
     remote_params: set[int] = set()
     for (name, layer), rank in zip(named, owner_rank, strict=True):
         if rank == pipeline_rank:
-            materialize_meta(layer, device)
-            layer.to(device)
             local[name] = layer
         else:
             remote_params.update(id(p) for p in layer.parameters())
@@ -357,8 +355,12 @@ def keep_local_layers(
         )
     if remote_params:
         # a reference cycle can still hold a dropped layer (a module's method kept by one of its submodules,
-        # a frame kept by its own locals): free them now, not whenever the collector next runs
+        # a frame kept by its own locals): free them now, before this rank's own layers are allocated, not
+        # whenever the collector next runs
         gc.collect()
+    for layer in local.values():
+        materialize_meta(layer, device)
+        layer.to(device)
     return local
 
 

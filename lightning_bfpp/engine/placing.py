@@ -93,6 +93,7 @@ def keep_layers(
     context: BuildContext,
     *,
     tied_slots: Sequence[int] | None = None,
+    read_pretrained: bool = True,
 ) -> tuple[dict[str, nn.Module], Identities]:
     """Keep the layers ``me`` owns (``layer_owner[i]``: the owner of layer ``i``; the others become
     :class:`~lightning_bfpp.engine.layers.RemoteLayer`). No collectives.
@@ -104,10 +105,17 @@ def keep_layers(
     slots = [i for i, rank in enumerate(layer_owner) if rank == me] if tied_slots is None else tied_slots
     identities = record_identities(named, slots)
     local = keep_local_layers(module, named, layer_owner, me, context.device)
-    if context.pretrained is not None:  # this rank's layers only: nothing of the other stages is read
+    if read_pretrained:
+        fill_pretrained(local, context)
+    return local, identities
+
+
+def fill_pretrained(local: dict[str, nn.Module], context: BuildContext) -> None:
+    """Fill this rank's layers from the module's pretrained checkpoint, if it has one: their tensors only (and of
+    a tensor-parallel layer, where the file allows, only the rows it holds)."""
+    if context.pretrained is not None:
         read = context.pretrained.fill(layer_tensors(local))
         context.info(f"BFPPStrategy: read {read / 2**20:,.1f} MiB of this rank's layers from {context.pretrained.path}")
-    return local, identities
 
 
 def finish_module(module: nn.Module, context: BuildContext) -> None:

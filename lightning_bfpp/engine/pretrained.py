@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_bfpp.engine.checkpoint import reader, torch_load
 
@@ -128,8 +129,44 @@ def _check_shape(name: str, shape: Sequence[int], target: torch.Tensor, where: P
 
 
 def _copy(target: torch.Tensor, value: torch.Tensor) -> int:
-    target.copy_(value.to(dtype=target.dtype))
+    """Copy the whole tensor ``value`` into ``target``, or into the part of it a tensor-parallel ``target`` holds."""
+    local, dim, start, length = _part_of(target)
+    if dim is not None:
+        value = value.narrow(dim, start, length)
+    local.copy_(value.to(dtype=local.dtype))
     return value.numel() * value.element_size()
+
+
+def _part_of(target: torch.Tensor) -> tuple[torch.Tensor, int | None, int, int]:
+    """The tensor this process holds of ``target``, and which part of the whole that is: ``(local, dim, start,
+    length)``, ``dim`` None for the whole. A tensor-parallel parameter (a DTensor sharded along one dimension over
+    its tensor group, as torch chunks it) holds rows ``start … start + length`` of dimension ``dim``."""
+    if not isinstance(target, DTensor):
+        return target, None, 0, 0
+    local = target.to_local()
+    sharded = [(i, p.dim) for i, p in enumerate(target.placements) if isinstance(p, Shard)]
+    if not sharded:
+        return local, None, 0, 0
+    if len(sharded) > 1:
+        raise PretrainedWeightsError(
+            f"a parameter sharded over {len(sharded)} mesh dimensions ({target.placements}) is filled before"
+            " sharding; read the checkpoint before the stages are sharded"
+        )
+    mesh_dim, dim = sharded[0]
+    count, rank, full = (
+        target.device_mesh.size(mesh_dim),
+        target.device_mesh.get_local_rank(mesh_dim),
+        target.shape[dim],
+    )
+    size = -(-full // count)  # torch.chunk's split, which DTensor's Shard follows
+    start = min(rank * size, full)
+    length = max(0, min(size, full - start))
+    if local.shape[dim] != length:
+        raise PretrainedWeightsError(
+            f"a tensor-parallel parameter holds {local.shape[dim]} of {full} along dimension {dim}, not torch.chunk's"
+            f" {length}: it cannot be filled from a whole tensor"
+        )
+    return local, dim, start, length
 
 
 class _Source:
@@ -263,18 +300,32 @@ class _Safetensors(_Source):
                         )
                     target = targets[name]
                     _check_shape(name, entry["shape"], target, file)
-                    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-                    direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
-                    # straight into the target where it takes the stored bytes as they are, else through a buffer
-                    value = target.detach() if direct else torch.empty(entry["shape"], dtype=dtype)
-                    handle.seek(entry["start"])
-                    if value.numel():
-                        handle.readinto(memoryview(value.view(-1).view(torch.uint8).numpy()))
-                    if not direct:
-                        _copy(target, value)
-                    read += value.numel() * value.element_size()
-                    del value
+                    read += _read_part(handle, entry, target)
         return read
+
+
+def _read_part(handle: Any, entry: Mapping[str, Any], target: torch.Tensor) -> int:
+    """Read a stored tensor (its safetensors header ``entry``) into ``target``; returns the bytes read. A
+    tensor-parallel ``target`` split along its first dimension reads only its own rows (a contiguous range of the
+    file); split along another, the whole tensor, of which it keeps its part. Straight into the tensor where it
+    takes the stored bytes as they are, else through a buffer of the stored dtype."""
+    dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+    local, dim, start, length = _part_of(target)
+    offset = entry["start"]
+    if dim == 0:  # a contiguous run of rows
+        offset += start * math.prod(shape[1:]) * dtype.itemsize
+        shape[0] = length
+    whole = dim not in (None, 0)
+    direct = not whole and local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous()
+    value = local.detach() if direct else torch.empty(shape, dtype=dtype)
+    handle.seek(offset)
+    if value.numel():
+        handle.readinto(memoryview(value.view(-1).view(torch.uint8).numpy()))
+    if whole:
+        _copy(target, value)
+    elif not direct:
+        local.copy_(value.to(dtype=local.dtype))
+    return value.numel() * value.element_size()
 
 
 class _TorchFile(_Source):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -105,7 +106,9 @@ def _split_backward(
 
 def _return_freed_memory(device: torch.device) -> None:
     """Give the memory the measured copies used back, so that the stages allocated next do not come on top of it:
-    glibc keeps freed heap memory for reuse (``malloc_trim`` returns it), CUDA's caching allocator its blocks."""
+    whatever a reference cycle still holds (collected now, not whenever the collector next runs), the freed heap
+    memory glibc keeps for reuse (``malloc_trim`` returns it), CUDA's caching allocator's blocks."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc

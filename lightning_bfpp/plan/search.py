@@ -176,8 +176,11 @@ def search(
 
 
 def format_size(nbytes: float) -> str:
-    """``5.9 GiB``, or ``12.0 MiB`` below a GiB."""
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    """``5.9 GiB``, ``12.0 MiB`` below a GiB, ``4.0 KiB`` below a MiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def search_per_replica_batch(

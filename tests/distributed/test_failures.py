@@ -107,13 +107,16 @@ case("layers_non_module", "layers_non_module", "item 2 is a builtin_function_or_
 case("layers_twice", "layers_twice", "lists the module `blocks.0` twice")
 case("layers_change", "layers_change", "`pipeline_layers()` returned different layers")
 case("more_stages_than_layers", "none", "returns 10 layers, fewer than the 16 stages", strategy={"stages_per_rank": 8})
-# the planner runs on global rank 0 only: its failure (here: a meta-device model it cannot measure) is shared
+# the planner runs on global rank 0 only: its failure (here: no layout fits a 4 KiB memory budget) is shared,
+# naming the arguments given and, per schedule, why
 case(
     "planner_on_rank0",
     "none",
-    "planning on global rank 0 failed",
-    "the model is on the meta device. Pass `plan_profile=`",
-    strategy={"pipeline_parallel_size": "auto"},
+    "BFPPStrategy(pipeline_parallel_size='auto', stages_per_rank=1, num_microbatches=4): the planner found no layout",
+    "runs within 4.0 KiB per device on 4 processes",
+    "- breadth_first: ",
+    "excluded: memory: ",
+    strategy={"pipeline_parallel_size": "auto", "memory_budget": 4096},
     checks=["empty_init"],
 )
 # configuration

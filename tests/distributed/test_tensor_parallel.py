@@ -25,7 +25,11 @@ process: losses at every step on every rank and every final weight within 1e-5.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.distributed.harness import (
     assert_params_match,
@@ -89,12 +93,17 @@ FOUR = [
 ]  # fmt: skip
 
 
-def hf_run(name: str, dp: int = 1, family: str = "llama", tie: bool = False, **kwargs) -> RunSpec:
+PRETRAINED = Path(tempfile.mkdtemp(prefix="bfpp-tp-pretrained-"))  # a tied Llama's folder, saved by `results`
+
+
+def hf_run(
+    name: str, dp: int = 1, family: str = "llama", tie: bool = False, model: dict | None = None, **kwargs
+) -> RunSpec:
     """A tiny Llama (grouped-query attention, 3 blocks), or another family, with the model's own plan."""
     return RunSpec(
         name=name,
         strategy=dict(P2_T2),
-        model={"family": family, "layers": 3, "optimizer": "sgd", "tie": tie},
+        model={"family": family, "layers": 3, "optimizer": "sgd", "tie": tie, **(model or {})},
         model_factory="tests.hf_models:hf_module",
         loader_factory="tests.hf_models:hf_loader",
         local_batch_size=8,
@@ -122,6 +131,9 @@ HF = [
     # input and output embeddings tied across pipeline ranks, both split by vocabulary rows, clipped by the
     # whole model's norm
     hf_run("hf_llama_tied_p2_t2", tie=True, trainer={"gradient_clip_val": 0.3}),
+    # from a `save_pretrained` folder: each rank reads only the rows of its split weights (q/k/v, gate/up, the
+    # vocabulary-parallel embedding and head), and the whole tensors of the weights split by columns
+    hf_run("hf_llama_tied_from_folder_p2_t2", tie=True, model={"pretrained": str(PRETRAINED)}),
 ]
 FOUR += [*HF, gpt_run("gpt_p2_t2")]
 EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2), gpt_run("gpt_p2_t2_dp2", dp=2)]
@@ -132,6 +144,12 @@ GPT = [FOUR[-1], EIGHT[2]]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_models import tiny_config
+
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", layers=3, tie=True))
+    model.save_pretrained(PRETRAINED, max_shard_size="50KB")
     out = launch(FOUR, 4, tmp_path_factory.mktemp("tp4"), timeout=600)
     out.update(launch(EIGHT, 8, tmp_path_factory.mktemp("tp8"), timeout=600))
     return out

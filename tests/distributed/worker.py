@@ -548,8 +548,12 @@ class SetupMemory(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self.first_step_s is None:  # from the model's creation to the first step (fit's setup, all of it)
-            self.first_step_s = time.perf_counter() - self.started
+            self.step_started = time.perf_counter()
+            self.first_step_s = self.step_started - self.started
             pl_module.bfpp_setup_memory["creation_to_first_step_s"] = self.first_step_s
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        pl_module.bfpp_setup_memory.setdefault("first_step_s", time.perf_counter() - self.step_started)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # the model is built and the processes' group exists: from here the strategy builds (profile, placement,
@@ -557,6 +561,7 @@ class SetupMemory(L.Callback):
         # 80 MB) and the group (about 40 MB)
         self.at_setup = (_status_kib("VmRSS") - self.baseline) * 1024
         self.meta_at_setup = all(t.is_meta for t in pl_module.state_dict().values())
+        self.setup_started = time.perf_counter()
         Path("/proc/self/clear_refs").write_text("5")
         self.setup_baseline = _status_kib("VmRSS")
 
@@ -565,6 +570,7 @@ class SetupMemory(L.Callback):
         local = sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in held)
         pl_module.bfpp_setup_memory = {
             "resident_at_setup": self.at_setup,
+            "setup_s": time.perf_counter() - self.setup_started,  # the strategy's setup: profile, placement, reads
             "meta_at_setup": self.meta_at_setup,
             "setup_peak": (_status_kib("VmHWM") - self.setup_baseline) * 1024,
             "held_bytes": local,
