@@ -306,24 +306,25 @@ class _Safetensors(_Source):
 
 def _read_part(handle: Any, entry: Mapping[str, Any], target: torch.Tensor) -> int:
     """Read a stored tensor (its safetensors header ``entry``) into ``target``; returns the bytes read. A
-    tensor-parallel ``target`` split along its first dimension reads only its own rows (a contiguous range of the
-    file); split along another, the whole tensor, of which it keeps its part. Straight into the tensor where it
-    takes the stored bytes as they are, else through a buffer of the stored dtype."""
+    tensor-parallel ``target`` reads only its own part: split along the first dimension, one contiguous run of the
+    file; along another, one run per index of the dimensions before it (a column-split matrix: its columns of each
+    row). Straight into the tensor where it takes the stored bytes as they are, else through a buffer of the
+    stored dtype."""
     dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
     local, dim, start, length = _part_of(target)
-    offset = entry["start"]
-    if dim == 0:  # a contiguous run of rows
-        offset += start * math.prod(shape[1:]) * dtype.itemsize
-        shape[0] = length
-    whole = dim not in (None, 0)
-    direct = not whole and local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous()
-    value = local.detach() if direct else torch.empty(shape, dtype=dtype)
-    handle.seek(offset)
+    if dim is None:
+        dim, start, length = 0, 0, shape[0] if shape else 1
+    outer, full = math.prod(shape[:dim]), shape[dim] if shape else 1
+    inner = math.prod(shape[dim + 1 :]) * dtype.itemsize  # bytes of one index along `dim`
+    part = [*shape[:dim], length, *shape[dim + 1 :]] if shape else []
+    direct = local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous()
+    value = local.detach() if direct else torch.empty(part, dtype=dtype)
     if value.numel():
-        handle.readinto(memoryview(value.view(-1).view(torch.uint8).numpy()))
-    if whole:
-        _copy(target, value)
-    elif not direct:
+        runs = value.view(-1).view(torch.uint8).view(outer, length * inner).numpy()
+        for i in range(outer):  # one run of `length` indices along `dim` per index before it
+            handle.seek(entry["start"] + (i * full + start) * inner)
+            handle.readinto(memoryview(runs[i]))
+    if not direct:
         local.copy_(value.to(dtype=local.dtype))
     return value.numel() * value.element_size()
 
