@@ -9,7 +9,8 @@ processes, each:
 - creates the module without allocating any of it (every tensor on the meta device when Lightning's ``setup``
   hook runs, after the process group exists), then peaks through the strategy's setup (the profile for the time
   partition, placement, reading its stages' tensors) at no more than 1.3 times the bytes it then holds (its own
-  stages): ``VmHWM`` over the resident memory at that hook (the peak reset there);
+  stages): ``VmHWM`` over the resident memory at that hook (the peak reset there), less the file-backed pages setup
+  added (the libraries' code run for the first time, which resident memory counts too);
 - holds no tensor of another rank's layers, the garbage collector off from the model's creation on;
 - runs capped (``RLIMIT_DATA``, from that hook on) at 95% of the model's bytes above what it used there, under
   which allocating the model's bytes at once fails: the whole model could not be loaded there; its stages load
@@ -79,7 +80,9 @@ def test_every_rank_peaks_at_its_own_share_from_creation_through_setup(large):
     for rank in result.ranks:
         memory = rank["setup_memory"]
         assert memory["meta_at_setup"], memory  # creating the module allocated none of it
-        assert memory["setup_peak"] <= 1.3 * memory["held_bytes"], memory
+        # less the pages of the libraries' code that setup ran for the first time (the profile's kernels: 5-30 MB
+        # seen, file-backed, not data)
+        assert memory["setup_peak"] - memory["file_pages_added"] <= 1.3 * memory["held_bytes"], memory
 
 
 def test_no_rank_holds_another_ranks_layers(large):

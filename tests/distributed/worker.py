@@ -564,6 +564,7 @@ class SetupMemory(L.Callback):
         self.setup_started = time.perf_counter()
         Path("/proc/self/clear_refs").write_text("5")
         self.setup_baseline = _status_kib("VmRSS")
+        self.file_at_setup = _status_kib("RssFile")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         held = {id(t): t for t in pl_module.state_dict(keep_vars=True).values()}.values()
@@ -573,6 +574,8 @@ class SetupMemory(L.Callback):
             "setup_s": time.perf_counter() - self.setup_started,  # the strategy's setup: profile, placement, reads
             "meta_at_setup": self.meta_at_setup,
             "setup_peak": (_status_kib("VmHWM") - self.setup_baseline) * 1024,
+            # pages of files (the libraries' code first run in setup) that setup mapped in: resident, not data
+            "file_pages_added": (_status_kib("RssFile") - self.file_at_setup) * 1024,
             "held_bytes": local,
             "rss_anon": _status_kib("RssAnon") * 1024,
             "rss_file": _status_kib("RssFile") * 1024,
