@@ -454,6 +454,10 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
         callbacks.append(SyncedLogs())
     if "swa" in checks:
         callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2))
+    if "ema" in checks:
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        callbacks.append(EMAWeightAveraging(decay=0.9))
     if "progress_bar" in checks:
         kwargs["enable_progress_bar"] = True
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torchmetrics import Metric
@@ -65,7 +65,8 @@ def check_precision(plugin: Precision) -> None:
 
 
 def check_trainer(callbacks: list[Any], module: Any) -> None:
-    """Refuse what needs the whole model on every rank, or Lightning's own backward."""
+    """Refuse what needs the whole model on every rank (weight averaging's callbacks), or Lightning's own
+    backward: on every rank, at setup, before any collective."""
     for callback in callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             raise RuntimeError(
@@ -73,6 +74,15 @@ def check_trainer(callbacks: list[Any], module: Any) -> None:
                 " on every rank and switches Lightning's own backward back on, while each pipeline rank holds"
                 " a shard of a few stages. Average weights inside the module instead (e.g. an EMA of the"
                 " local parameters in `on_train_batch_end`), or average checkpoints offline."
+            )
+        if isinstance(callback, WeightAveraging):  # EMAWeightAveraging too
+            raise RuntimeError(
+                f"BFPPStrategy cannot run {type(callback).__name__} yet: Lightning's callback deep-copies the whole"
+                " module into one `AveragedModel` when it is set up and copies every parameter across, while each"
+                " pipeline rank holds a shard of a few stages (it would fail mixing sharded and whole tensors, or"
+                " average other weights than one device). Average weights inside the module instead (e.g. an EMA of"
+                " the local parameters in `on_train_batch_end`, saved with the module's state), or average"
+                " checkpoints offline."
             )
     if not module.automatic_optimization:
         raise RuntimeError(

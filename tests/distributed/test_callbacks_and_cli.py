@@ -108,10 +108,13 @@ def test_prediction_writer_sees_each_replicas_batches_with_indices(results):
     assert len(written) == 4 * 2  # every rank writes its replica's 2 batches
 
 
-def test_swa_is_refused_with_a_reason(tmp_path):
-    proc = run_worker([run("swa", trainer={"max_steps": 2}, checks=("swa",))], 2, tmp_path, timeout=120)
+@pytest.mark.parametrize(("check", "named"), [("swa", "StochasticWeightAveraging"), ("ema", "EMAWeightAveraging")])
+def test_weight_averaging_is_refused_with_a_reason(check, named, tmp_path):
+    """Refused at setup on every rank, naming the callback, rather than failing inside a step."""
+    proc = run_worker([run(check, trainer={"max_steps": 2}, checks=(check,))], 2, tmp_path, timeout=120)
     assert proc.returncode != 0
-    assert "cannot run StochasticWeightAveraging" in proc.stderr and "EMA" in proc.stderr
+    assert f"cannot run {named}" in proc.stderr and "EMA" in proc.stderr
+    assert "AveragedModel" in proc.stderr or named == "StochasticWeightAveraging"
 
 
 @pytest.mark.parametrize(
