@@ -454,10 +454,23 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
         callbacks.append(SyncedLogs())
     if "swa" in checks:
         callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2))
-    if "ema" in checks:
-        from lightning.pytorch.callbacks import EMAWeightAveraging
+    for check in run.checks:  # "ema" or "ema:<decay>:<update_every_n_steps>:<update_starting_at_step>"
+        if check == "ema" or check.startswith("ema:"):
+            from lightning.pytorch.callbacks import EMAWeightAveraging
 
-        callbacks.append(EMAWeightAveraging(decay=0.9))
+            given = check.split(":")[1:]
+            decay, every, start = given + ["0.9", "1", ""][len(given) :]
+            callbacks.append(
+                EMAWeightAveraging(
+                    decay=float(decay),
+                    update_every_n_steps=int(every),
+                    update_starting_at_step=int(start) if start else None,
+                )
+            )
+    if "average" in checks:  # an equal average of every step's weights (SWA's), Lightning's default
+        from lightning.pytorch.callbacks import WeightAveraging
+
+        callbacks.append(WeightAveraging())
     if "progress_bar" in checks:
         kwargs["enable_progress_bar"] = True
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):

@@ -279,3 +279,21 @@ def evaluation_loop(trainer: Trainer, step_name: str) -> Any:
     if trainer.state.fn == TrainerFn.FITTING:
         return trainer.fit_loop.epoch_loop.val_loop
     return trainer.validate_loop
+
+
+# -- weight averaging (lightning.pytorch.callbacks.WeightAveraging) ----------------------------------------------
+
+
+def averaging_arguments(callback: Any) -> tuple[torch.device | int | None, bool, dict[str, Any]]:
+    """What a ``WeightAveraging`` callback hands ``AveragedModel``: its ``device``, ``use_buffers`` and the rest
+    (``avg_fn``, ``multi_avg_fn``), as its private attributes hold them."""
+    return callback._device, callback._use_buffers, dict(callback._kwargs)
+
+
+def average_model(callback: Any) -> Any:
+    """The ``AveragedModel`` a ``WeightAveraging`` callback updates, swaps in for validation and saves."""
+    return callback._average_model
+
+
+def set_average_model(callback: Any, model: Any) -> None:
+    callback._average_model = model

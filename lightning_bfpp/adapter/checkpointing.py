@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_bfpp.engine import checkpoint as files
+from lightning_bfpp.engine.checkpoint import CURRENT_MODEL_STATE
 
 
 @dataclass
@@ -51,7 +52,11 @@ def fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 def save(checkpoint: dict[str, Any], path: Path, place: CheckpointPlace) -> None:
     """Write Lightning's ``checkpoint`` dict of this rank: its tensors sharded into the folder, the rest into
     ``meta.pt`` with every replica's loader states."""
-    state = {files.MODEL_KEY: checkpoint.pop("state_dict")}
+    # with a weight-averaging callback, `state_dict` holds the averaged weights (what a consolidated checkpoint or
+    # an export gives) and `current_model_state` the trained ones: both this rank's shards
+    state = {files.MODEL_KEY: _canonical_only(checkpoint.pop("state_dict"), place.aliases)}
+    if (current := checkpoint.pop(CURRENT_MODEL_STATE, None)) is not None:
+        state[CURRENT_MODEL_STATE] = _canonical_only(current, place.aliases)
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[files.optimizer_key(i)] = optimizer_state
     fit_state = fit_loop_state(checkpoint)
@@ -69,6 +74,11 @@ def save(checkpoint: dict[str, Any], path: Path, place: CheckpointPlace) -> None
     files.save(path, state, checkpoint, is_global_zero=place.is_global_zero)
 
 
+def _canonical_only(state_dict: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """A tied parameter once, under its canonical name (a module's own ``state_dict`` has every copy)."""
+    return {name: value for name, value in state_dict.items() if name not in aliases}
+
+
 def load(
     path: Path,
     module: nn.Module,
@@ -78,9 +88,14 @@ def load(
     strict: bool,
     weights_only: bool | None,
     warn: Callable[[str], None],
+    averaged: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint (a folder from any layout, or a one-device file) into this rank's stages and
     optimizers; return the rest of Lightning's dict, with this replica's loader states in the fit loop's entry.
+
+    ``averaged``: the module of a weight-averaging callback's average. A checkpoint saved with averaging then
+    loads its averaged weights there and its trained ones into ``module``; without one, ``module`` takes the
+    averaged weights (as on one device).
 
     ``weights_only`` as Lightning passes it (``None``: torch's default, ``True``), for every file of the
     checkpoint (see :func:`lightning_bfpp.engine.checkpoint.load`)."""
@@ -93,6 +108,7 @@ def load(
         full_parameter_names=place.full_parameter_names,
         trained_parameter_names=place.trained_parameter_names,
         aliases=place.aliases,
+        averaged=averaged,
     )
     loaded.pop(files.TIED_KEY, None)
     if warning is not None:

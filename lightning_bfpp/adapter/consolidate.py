@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lightning_bfpp.adapter import _lightning_compat as lc
-from lightning_bfpp.engine.checkpoint import TIED_KEY, with_tied_names
+from lightning_bfpp.engine.checkpoint import CURRENT_MODEL_STATE, TIED_KEY, with_tied_names
 
 
 def consolidate(folder: Path, output_file: Path, *, weights_only: bool | None = None) -> None:
@@ -23,7 +23,10 @@ def consolidate(folder: Path, output_file: Path, *, weights_only: bool | None = 
     ``weights_only`` as ``torch.load`` takes it (``None``: torch's default, ``True``), for every file of the
     folder: a folder from elsewhere runs no code unless ``False`` says it is trusted."""
     checkpoint = lc.consolidated_checkpoint(Path(folder), weights_only=weights_only)
-    with_tied_names(checkpoint["state_dict"], checkpoint.pop(TIED_KEY, {}))
+    aliases = checkpoint.pop(TIED_KEY, {})
+    with_tied_names(checkpoint["state_dict"], aliases)
+    if CURRENT_MODEL_STATE in checkpoint:  # the trained weights beside averaged ones (weight averaging)
+        with_tied_names(checkpoint[CURRENT_MODEL_STATE], aliases)
     torch.save(checkpoint, output_file)
 
 

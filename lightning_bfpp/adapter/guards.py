@@ -65,25 +65,23 @@ def check_precision(plugin: Precision) -> None:
 
 
 def check_trainer(callbacks: list[Any], module: Any) -> None:
-    """Refuse what needs the whole model on every rank (weight averaging's callbacks), or Lightning's own
-    backward: on every rank, at setup, before any collective."""
+    """Refuse what needs the whole model on every rank (StochasticWeightAveraging), several weight averages, or
+    Lightning's own backward: on every rank, at setup, before any collective."""
     for callback in callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             raise RuntimeError(
-                "BFPPStrategy cannot run StochasticWeightAveraging: it averages and re-evaluates the whole model"
-                " on every rank and switches Lightning's own backward back on, while each pipeline rank holds"
-                " a shard of a few stages. Average weights inside the module instead (e.g. an EMA of the"
-                " local parameters in `on_train_batch_end`), or average checkpoints offline."
+                "BFPPStrategy cannot run StochasticWeightAveraging: it switches Lightning's own backward back on"
+                " and recomputes BatchNorm statistics with whole-model forwards, while the pipeline runs forward and"
+                " backward itself over stages spread across ranks. Use `WeightAveraging` (an equal average, as SWA"
+                " keeps) or `EMAWeightAveraging` instead: both average each rank's own stages under BFPPStrategy."
             )
-        if isinstance(callback, WeightAveraging):  # EMAWeightAveraging too
-            raise RuntimeError(
-                f"BFPPStrategy cannot run {type(callback).__name__} yet: Lightning's callback deep-copies the whole"
-                " module into one `AveragedModel` when it is set up and copies every parameter across, while each"
-                " pipeline rank holds a shard of a few stages (it would fail mixing sharded and whole tensors, or"
-                " average other weights than one device). Average weights inside the module instead (e.g. an EMA of"
-                " the local parameters in `on_train_batch_end`, saved with the module's state), or average"
-                " checkpoints offline."
-            )
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, WeightAveraging)]
+    if len(averaging) > 1:
+        raise RuntimeError(
+            f"BFPPStrategy runs one weight-averaging callback, got {len(averaging)} ({', '.join(averaging)}): each"
+            " would put its own average under the checkpoint's `state_dict` and the other's as the trained"
+            " weights. Keep one."
+        )
     if not module.automatic_optimization:
         raise RuntimeError(
             "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bfpp.adapter import _lightning_compat as lc
-from lightning_bfpp.adapter import auto, checkpointing, guards, predictions
+from lightning_bfpp.adapter import auto, checkpointing, guards, predictions, weight_averaging
 from lightning_bfpp.adapter.checkpointing import CheckpointPlace, parameter_names
 from lightning_bfpp.adapter.collectives import PipelineCollectives
 from lightning_bfpp.adapter.logged_values import LoggedValueSync, SharedStep
@@ -271,6 +271,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             )
         # tied weights as the module has them before `configure_model` (see guards.check_ties_kept)
         self._ties_before_configure = guards.shared_parameters(self.lightning_module) if self.lightning_module else []
+        if self.lightning_module is not None and (trainer := lc.attached_trainer(self.lightning_module)) is not None:
+            # before the callbacks' `setup`: their averages are built over the placed stages (adapter.weight_averaging)
+            weight_averaging.defer_average_copies(trainer.callbacks)  # type: ignore[attr-defined]
         planned = self.config.pipeline_parallel_size == "auto"  # the mesh waits for the planner
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
@@ -356,6 +359,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             lc.optimizers_to_device(self.optimizers, self.root_device)
+            weight_averaging.attach_averages(trainer.callbacks, module, self.root_device)  # type: ignore[attr-defined]
 
     def _build_pipeline(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Choose the layout, place this rank's stages, share the initial values, shard (see engine.build)."""
@@ -541,8 +545,9 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.lightning_module is not None and lc.attached_trainer(self.lightning_module) is not None:
-            lc.set_skip_backward(self.lightning_module.trainer, False)
+        if self.lightning_module is not None and (trainer := lc.attached_trainer(self.lightning_module)) is not None:
+            lc.set_skip_backward(trainer, False)
+            weight_averaging.restore_setup(trainer.callbacks)  # type: ignore[attr-defined]
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -578,11 +583,17 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: lc.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None and self._checkpoint_place is not None
-        return checkpointing.load(
-            Path(self.broadcast(str(checkpoint_path))), self.lightning_module,
+        module = self.lightning_module
+        averaged = weight_averaging.average(module.trainer.callbacks)  # type: ignore[attr-defined]
+        loaded = checkpointing.load(
+            Path(self.broadcast(str(checkpoint_path))), module,
             [lc.unwrap_optimizer(o) for o in self.optimizers], self._checkpoint_place,
-            strict=self.lightning_module.strict_loading, weights_only=weights_only, warn=rank_zero_warn,
+            strict=module.strict_loading, weights_only=weights_only, warn=rank_zero_warn,
+            averaged=None if averaged is None else averaged.module,
         )  # fmt: skip
+        if averaged is not None:
+            weight_averaging.loaded_states(loaded, module, averaged)
+        return loaded
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -65,6 +65,9 @@ from lightning_bfpp.engine import _compat, agreement
 from lightning_bfpp.engine.agreement import AgreedError, describe
 
 MODEL_KEY = "model"
+# the trained weights beside MODEL_KEY where MODEL_KEY holds a running average of them: Lightning's name under its
+# WeightAveraging callbacks, for the folder's entry as for a one-device file's (so Lightning's consolidation keeps it)
+CURRENT_MODEL_STATE = "current_model_state"
 # Lightning's name for the non-tensor part (`lightning.fabric.utilities.load._METADATA_FILENAME`, checked in
 # tests/unit/test_checkpoint_files.py); its consolidate tool reads it
 METADATA_FILENAME = "meta.pt"
@@ -671,8 +674,14 @@ def load(
     full_parameter_names: Sequence[str],
     trained_parameter_names: Sequence[str] | None = None,
     aliases: Mapping[str, str] | None = None,
+    averaged: nn.Module | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """Load a checkpoint into this rank's stages and optimizers; return the rest of it and a warning, if any.
+
+    ``averaged``: a module with ``module``'s names holding a running average of its weights. When the checkpoint
+    has the trained weights beside the averaged ones (``CURRENT_MODEL_STATE``), they go into ``module`` and the
+    averaged ones into ``averaged``; otherwise ``module`` takes the checkpoint's weights and ``averaged`` is left
+    as it is.
 
     A collective. ``path`` is a DCP folder written by :func:`save` (or its ``.old``, see
     :func:`resolve_path`) or one ordinary file (e.g. from one device: each rank takes its slices). Every
@@ -708,10 +717,16 @@ def load(
         error = failure
     raise_on_every_rank(error, context)
     if path.is_dir():
-        _load_sharded(path, module, optimizers, strict=strict, aliases=aliases, weights_only=weights_only)
+        _load_sharded(
+            path, module, optimizers, strict=strict, aliases=aliases, weights_only=weights_only, averaged=averaged
+        )
         return loaded, warning
     try:
-        load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
+        if averaged is not None and CURRENT_MODEL_STATE in loaded:
+            load_full_weights(module, loaded[CURRENT_MODEL_STATE], strict=strict, aliases=aliases)
+            load_full_weights(averaged, loaded["state_dict"], strict=strict, aliases=aliases)
+        else:
+            load_full_weights(module, loaded["state_dict"], strict=strict, aliases=aliases)
         for optimizer, saved in zip(optimizers, loaded.get("optimizer_states", []), strict=False):
             load_full_optimizer(
                 module,
@@ -769,17 +784,23 @@ def _load_sharded(
     strict: bool,
     aliases: Mapping[str, str],
     weights_only: bool | None,
+    averaged: nn.Module | None = None,
 ) -> None:
     index = _read_metadata(path, weights_only=weights_only).state_dict_metadata
     stored = {key.split(".", 1)[0] for key in index}
-    model = get_model_state_dict(module)
-    if not strict:  # names the checked checkpoint lacks stay as they are
-        prefix = MODEL_KEY + "."
-        names = {key[len(prefix) :] for key in index if key.startswith(prefix)}
-        model = {name: value for name, value in model.items() if aliases.get(name, name) in names}
-    # every copy of a tied parameter asks for the canonical entry (the only one stored)
-    request, model_keys = to_canonical(model, aliases)
-    state: dict[str, Any] = {MODEL_KEY: request}
+    targets = {MODEL_KEY: module}
+    if averaged is not None and CURRENT_MODEL_STATE in stored:
+        targets = {CURRENT_MODEL_STATE: module, MODEL_KEY: averaged}
+    state: dict[str, Any] = {}
+    model_keys = {}
+    for key, target in targets.items():
+        model = get_model_state_dict(target)
+        if not strict:  # names the checked checkpoint lacks stay as they are
+            prefix = key + "."
+            names = {k[len(prefix) :] for k in index if k.startswith(prefix)}
+            model = {name: value for name, value in model.items() if aliases.get(name, name) in names}
+        # every copy of a tied parameter asks for the canonical entry (the only one stored)
+        state[key], model_keys[key] = to_canonical(model, aliases)
     optimizer_keys = []
     for i, optimizer in enumerate(optimizers):
         if optimizer_key(i) not in stored:
@@ -805,8 +826,10 @@ def _load_sharded(
         dcp.load(state, storage_reader=reader(path, weights_only=weights_only), planner=planner)
     except CheckpointException as failure:  # raised on every rank alike, from the ranks' shared outcomes
         raise _load_failure(failure, path) from None
-    model = from_canonical(state[MODEL_KEY], model_keys)
-    set_model_state_dict(module, model, options=StateDictOptions(strict=strict))
+    for key, target in targets.items():
+        set_model_state_dict(
+            target, from_canonical(state[key], model_keys[key]), options=StateDictOptions(strict=strict)
+        )
     for i, optimizer in enumerate(optimizers):
         if optimizer_keys[i] is None:
             continue

@@ -258,6 +258,17 @@ def assert_steps_match(
                 assert abs(g - w) <= tol * abs(w), f"rank {rank} step {want['step']} {key}: {g} vs {w}"
 
 
+def assert_tested_as_reference(result: RunResult, reference: Any, *, tol: float) -> dict[str, float]:
+    """Every rank's ``trainer.test`` after ``fit`` returned the reference's metrics (relative ``tol``); returns them."""
+    (want,) = reference.extras["test"]
+    for rank, rank_result in enumerate(result.ranks):
+        (got,) = rank_result["test"]
+        assert got.keys() == want.keys(), f"rank {rank}: {sorted(got)} vs {sorted(want)}"
+        for key in want:
+            assert abs(got[key] - want[key]) <= tol * abs(want[key]), f"rank {rank} {key}: {got[key]} vs {want[key]}"
+    return want
+
+
 def assert_params_match(result: RunResult, reference: Any, *, tol: float) -> float:
     """Every final parameter agrees with the reference's (relative norm error ``tol``); returns the worst."""
     assert set(result.params) == set(reference.params)

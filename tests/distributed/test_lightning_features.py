@@ -14,7 +14,14 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.distributed.harness import assert_params_match, assert_steps_match, launch, relative_error, run_2x2
+from tests.distributed.harness import (
+    assert_params_match,
+    assert_steps_match,
+    assert_tested_as_reference,
+    launch,
+    relative_error,
+    run_2x2,
+)
 from tests.models import RunSpec, assert_same_predictions, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -160,13 +167,10 @@ def test_no_sync_dist_advice_for_values_the_strategy_already_reduced(results):
 
 def test_test_step_metrics_match(results):
     _, res = results
-    ref = reference_run(RUNS["validation_and_metrics"])
-    (want,) = ref.extras["test"]
-    for rank_result in res["validation_and_metrics"].ranks:
-        (got,) = rank_result["test"]
-        assert got.keys() == want.keys() == {"test_loss", "test_mae"}
-        for key in want:
-            assert got[key] == pytest.approx(want[key], rel=TOL)
+    want = assert_tested_as_reference(
+        res["validation_and_metrics"], reference_run(RUNS["validation_and_metrics"]), tol=TOL
+    )
+    assert want.keys() == {"test_loss", "test_mae"}
 
 
 def test_predict_returns_the_dataset_in_order_on_rank_zero(results):
