@@ -4,7 +4,7 @@
 strategies only through its registry, not through package entry points), so afterwards
 ``Trainer(strategy="bfpp")`` works as well as ``Trainer(strategy=BFPPStrategy(...))``.
 
-The engine (``lightning_bfpp.engine.pipeline``, ``.executors``, ``.sharding``, ``.schedule``, …) imports no Lightning:
+The engine (``lightning_bfpp.engine.pipeline``, ``.executors``, ``.sharding``, ``.runtime``, …) imports no Lightning:
 without Lightning installed the package imports without the strategy, and a plain torch loop can drive the
 engine (see ``tests/distributed/plain_loop.py``).
 """

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
+    Checkpoint,
     EarlyStopping,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -74,6 +75,7 @@ class ModelSpec:
     predict_output: str = "tensors"
     # parameters (or modules, by name prefix) that do not train: requires_grad=False after construction
     frozen: tuple[str, ...] = ()
+    log: bool = True  # False: the steps log nothing (`Trainer(barebones=True)` refuses `self.log`)
 
 
 class LayerStack(L.LightningModule):
@@ -101,6 +103,7 @@ class PipeNet(L.LightningModule):
         self.save_hyperparameters()
         self.spec = ModelSpec(**spec)
         s = self.spec
+        self.lr = s.lr  # read by configure_optimizers, set by Lightning's learning-rate finders
         torch.manual_seed(s.seed)
         self.embed = nn.Linear(s.in_dim, s.width)
         self.blocks = nn.ModuleList([Block(s.width) for _ in range(s.num_blocks)])
@@ -137,6 +140,8 @@ class PipeNet(L.LightningModule):
             loss = F.mse_loss(out, y) + out.mean()  # .mean() hands back an expanded (stride-0) gradient
         else:
             loss = F.mse_loss(out, y)
+        if not self.spec.log:
+            return loss
         self.log("train_loss", loss, prog_bar=True)
         if self.spec.log_extras:
             self.log("samples", float(len(x)), reduce_fx="sum")
@@ -176,13 +181,13 @@ class PipeNet(L.LightningModule):
         if s.param_groups == 2:
             matrices = [p for p in self.parameters() if p.dim() >= 2]
             others = [p for p in self.parameters() if p.dim() < 2]
-            params: Any = [{"params": matrices}, {"params": others, "lr": s.lr / 2, "weight_decay": 0.0}]
+            params: Any = [{"params": matrices}, {"params": others, "lr": self.lr / 2, "weight_decay": 0.0}]
         else:
             params = self.parameters()
         if s.optimizer == "sgd":
-            optimizer = torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=0.01)
+            optimizer = torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=0.01)
         else:
-            optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.01)
+            optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
         if s.scheduler == "step":
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -473,7 +478,12 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
         callbacks.append(WeightAveraging())
     if "progress_bar" in checks:
         kwargs["enable_progress_bar"] = True
-    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+    from tests.lightning_features import feature_callbacks
+
+    more, more_kwargs = feature_callbacks(checks, out)
+    callbacks += more
+    kwargs.update(more_kwargs)
+    if any(isinstance(c, Checkpoint) for c in callbacks):  # ModelCheckpoint, OnExceptionCheckpoint
         kwargs["enable_checkpointing"] = True
     return callbacks, kwargs
 
@@ -484,9 +494,13 @@ def eval_loader(run: RunSpec, batch_size: int, seed: int) -> DataLoader:
     return DataLoader(RegressionData(spec, model.in_dim, model.out_dim), batch_size=batch_size)
 
 
-def after_fit(trainer: L.Trainer, model: L.LightningModule, run: RunSpec, batch_size: int) -> dict[str, Any]:
+def after_fit(
+    trainer: L.Trainer, model: L.LightningModule, run: RunSpec, batch_size: int, loader: Any = None
+) -> dict[str, Any]:
     """Test and predict after training when the run asks for it; what every rank got back."""
-    out: dict[str, Any] = {}
+    from tests.lightning_features import feature_extras
+
+    out: dict[str, Any] = feature_extras(trainer, model, loader, set(run.checks))
     if "test" in run.checks:
         out["test"] = trainer.test(model, eval_loader(run, batch_size, seed=3), verbose=False)
     if "markers" in run.checks:  # tests.probe_models.MarkerNet
@@ -613,7 +627,7 @@ def reference_run(
     fit(trainer, model, loader, val, ref, resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    extras = after_fit(trainer, model, ref, batch)
+    extras = after_fit(trainer, model, ref, batch, loader)
     extras["counters"] = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
     extras["out"] = out
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if "mae" not in k}
@@ -633,7 +647,11 @@ def fit_on_one_device(model: L.LightningModule, data: Dataset, run: RunSpec) -> 
 
 
 def fit(trainer: L.Trainer, model: L.LightningModule, loader: Any, val: Any, run: RunSpec, ckpt: str | None) -> None:
-    """``trainer.fit``, and with the ``fit_twice`` check a second ``fit`` for one more epoch on the same Trainer."""
+    """``trainer.fit`` (after a tuner when the run asks for one), and with the ``fit_twice`` check a second ``fit``
+    for one more epoch on the same Trainer."""
+    from tests.lightning_features import tune_before_fit
+
+    tune_before_fit(trainer, model, loader, set(run.checks))
     trainer.fit(model, loader, val, ckpt_path=ckpt)
     if "fit_twice" in run.checks:
         trainer.fit_loop.max_epochs += 1

@@ -268,6 +268,26 @@ def summarize_with(callbacks: Any, summary: Any) -> None:
             callback._summary = lambda trainer, pl_module: summary
 
 
+def layer_sync(strategy: Strategy) -> object | None:
+    """What ``Trainer(sync_batchnorm=True)`` gave the strategy (``TorchSyncBatchNorm``), else None."""
+    return getattr(strategy, "_layer_sync", None)
+
+
+def count_replicas_in_throughput(callbacks: Any, replicas: int) -> None:
+    """Make ``ThroughputMonitor``'s global rates count each data-parallel replica's batch once.
+
+    It multiplies a device's samples (batches, items) per second by ``trainer.world_size``; under the pipeline
+    every device of a replica (its pipeline and tensor ranks) runs that replica's batch, so the world's rate is the
+    device's times the replica count. Set on its ``Throughput`` objects (private ``_throughputs``), which the
+    callback builds in its ``setup``, before the strategy's."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    for callback in callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            for throughput in callback._throughputs.values():
+                throughput.world_size = replicas
+
+
 def evaluation_loop(trainer: Trainer, step_name: str) -> Any:
     """The evaluation loop running ``step_name`` now (its ``batch_progress`` knows whether a batch is the last)."""
     from lightning.pytorch.trainer.states import TrainerFn

@@ -1,8 +1,9 @@
 """What the strategy refuses, checked up front on every rank, each with the reason and the fix.
 
-Arguments when the strategy is built; the precision plugin when the Trainer is; the Trainer's callbacks and
-the module's optimization mode at set-up; torchmetrics that would sync inside a step while the layers are split;
-parameters that ``configure_model`` untied by splitting their users one by one.
+Arguments when the strategy is built; the precision plugin when the Trainer is; ``sync_batchnorm``, a
+``CheckpointIO`` plugin and the Trainer's callbacks before the callbacks' own ``setup`` (so that none acts on
+the whole module first); the module's optimization mode at set-up; torchmetrics that would sync inside a step
+while the layers are split; parameters that ``configure_model`` untied by splitting their users one by one.
 (Collectives called from inside a step are refused where they are called: see ``user_step.collective_refusal``.)
 """
 
@@ -10,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    BatchSizeFinder,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torchmetrics import Metric
@@ -64,16 +71,41 @@ def check_precision(plugin: Precision) -> None:
         )
 
 
-def check_trainer(callbacks: list[Any], module: Any) -> None:
-    """Refuse what needs the whole model on every rank (StochasticWeightAveraging), several weight averages, or
-    Lightning's own backward: on every rank, at setup, before any collective."""
+def check_callbacks(callbacks: list[Any]) -> None:
+    """Refuse the callbacks that act on the whole model or change which parameters train after the stages are
+    placed, naming what to use instead; on every rank, before any callback's ``setup`` and any collective.
+    (The table of every Lightning callback and what it does here: docs/lightning-features.md.)"""
     for callback in callbacks:
+        name = type(callback).__name__
         if isinstance(callback, StochasticWeightAveraging):
             raise RuntimeError(
                 "BFPPStrategy cannot run StochasticWeightAveraging: it switches Lightning's own backward back on"
                 " and recomputes BatchNorm statistics with whole-model forwards, while the pipeline runs forward and"
                 " backward itself over stages spread across ranks. Use `WeightAveraging` (an equal average, as SWA"
                 " keeps) or `EMAWeightAveraging` instead: both average each rank's own stages under BFPPStrategy."
+            )
+        if isinstance(callback, BaseFinetuning):
+            raise RuntimeError(
+                f"BFPPStrategy cannot run {name} (a BaseFinetuning callback): it freezes modules when fit starts"
+                " and unfreezes them later into a new optimizer parameter group, while the pipeline fixes at set-up"
+                " which parameters each rank trains and shards their gradients and optimizer state. Freeze in the"
+                " module instead (`requires_grad_(False)` before fit), and train the unfrozen phase as a new fit of"
+                " a module that starts from the first phase's checkpoint (`lightning_bfpp.load_pretrained`)."
+            )
+        if isinstance(callback, ModelPruning):
+            raise RuntimeError(
+                "BFPPStrategy cannot run ModelPruning: it re-registers each pruned weight as `<name>_orig` with a"
+                " mask during fit, while the pipeline holds each rank's parameters as FSDP2 shards that the"
+                " optimizer steps; a global threshold would also rank weights that live on other pipeline ranks."
+                " Prune after training, on one device: a consolidated checkpoint or the model from"
+                " `export_pretrained` with `torch.nn.utils.prune`."
+            )
+        if isinstance(callback, BatchSizeFinder):
+            raise RuntimeError(
+                f"BFPPStrategy cannot run {name}: it grows the batch until a step runs out of memory, and under the"
+                " pipeline that error hits one rank while the others wait for its transfers. Set the batch size"
+                " yourself; `BFPPStrategy(schedule='auto', memory_budget=<bytes per device>)` chooses a layout"
+                " whose estimate fits that budget for it."
             )
     averaging = [type(c).__name__ for c in callbacks if isinstance(c, WeightAveraging)]
     if len(averaging) > 1:
@@ -82,6 +114,38 @@ def check_trainer(callbacks: list[Any], module: Any) -> None:
             " would put its own average under the checkpoint's `state_dict` and the other's as the trained"
             " weights. Keep one."
         )
+
+
+def check_layer_sync(layer_sync: object | None) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)``: SyncBatchNorm's forward is a collective over every process, which
+    only the ranks running that stage reach (lightning_bfpp.engine.layers.check_no_collective_layers)."""
+    if layer_sync is not None:
+        raise ValueError(
+            "BFPPStrategy does not support `Trainer(sync_batchnorm=True)`: SyncBatchNorm's forward is a collective"
+            " that only the ranks running its stage reach. Remove it; BatchNorm's statistics then cover each"
+            " micro-batch (the strategy warns which layers), or use LayerNorm or GroupNorm, which do not depend on"
+            " how the batch is split."
+        )
+
+
+def check_checkpoint_io(checkpoint_io: object) -> None:
+    """Refuse a ``CheckpointIO`` plugin (``Trainer(plugins=[AsyncCheckpointIO()])``, a storage one): checkpoints
+    are written by torch.distributed.checkpoint, each rank its own shards, so the plugin would never be used."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    if type(checkpoint_io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"BFPPStrategy does not use CheckpointIO plugins, got {type(checkpoint_io).__name__}: every rank writes"
+            " its own shards of a checkpoint with torch.distributed.checkpoint, which the plugin would never see."
+            " Remove it from `Trainer(plugins=...)` and save to a path every process can write (a local or shared"
+            " file system)."
+        )
+
+
+def check_trainer(callbacks: list[Any], module: Any) -> None:
+    """:func:`check_callbacks`, and refuse Lightning's own backward (manual optimization): at set-up, on every
+    rank, before any collective of the pipeline's."""
+    check_callbacks(callbacks)
     if not module.automatic_optimization:
         raise RuntimeError(
             "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"

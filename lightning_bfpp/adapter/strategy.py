@@ -261,6 +261,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        guards.check_layer_sync(lc.layer_sync(self))
+        guards.check_checkpoint_io(self.checkpoint_io)
         ParallelStrategy.setup_environment(self)
         self.set_world_ranks()
         if self.root_device.type == "cpu" and (threads := share_cores(self.num_processes)) is not None:
@@ -272,6 +274,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         # tied weights as the module has them before `configure_model` (see guards.check_ties_kept)
         self._ties_before_configure = guards.shared_parameters(self.lightning_module) if self.lightning_module else []
         if self.lightning_module is not None and (trainer := lc.attached_trainer(self.lightning_module)) is not None:
+            guards.check_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
             # before the callbacks' `setup`: their averages are built over the placed stages (adapter.weight_averaging)
             weight_averaging.defer_average_copies(trainer.callbacks)  # type: ignore[attr-defined]
         planned = self.config.pipeline_parallel_size == "auto"  # the mesh waits for the planner
@@ -357,6 +360,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
                 for optimizer in self.optimizers:
                     optimizer.register_step_post_hook(self._trace.optimizer_step_hook)
         self.setup_precision_plugin()
+        replicas = self.distributed_sampler_kwargs["num_replicas"]  # the batches a step runs, world-wide
+        lc.count_replicas_in_throughput(trainer.callbacks, replicas)  # type: ignore[attr-defined]
         if fitting:
             lc.optimizers_to_device(self.optimizers, self.root_device)
             weight_averaging.attach_averages(trainer.callbacks, module, self.root_device)  # type: ignore[attr-defined]

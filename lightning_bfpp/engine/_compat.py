@@ -287,7 +287,9 @@ class PipelineRuntime(PipelineScheduleRuntime):
         if not self.needs_metadata_inference:
             super()._initialize_stages(*args, **kwargs)
             return
-        with self.metadata_inference():
+        # the placeholders are uninitialised memory (NaN where `torch.use_deterministic_algorithms` fills it):
+        # anomaly detection (`Trainer(detect_anomaly=True)`) would stop at the inference's discarded backward
+        with self.metadata_inference(), torch.autograd.set_detect_anomaly(False):
             super()._initialize_stages(*args, **kwargs)
 
     def run_microbatches(

@@ -294,7 +294,14 @@ def optimizer_state(
     whose stages hold nothing that trains, :class:`~lightning_bfpp.engine.frozen.NothingToTrain`)."""
     if not optimizer.param_groups:
         return {}
+    before_first_step = not optimizer.state
     state = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+    if before_first_step:
+        # torch fills a stateless optimizer's state with a step on zero gradients (`_init_optim_state`): SGD's
+        # momentum from weight decay, Adam's step count 1. One device saves no state before the first step and
+        # its next step starts from none: so here too, in the checkpoint and in the optimizer (see _load_sharded)
+        optimizer.state.clear()
+        state = {k: v for k, v in state.items() if not k.startswith("state.")}
     if not aliases:
         return state
     return {k: v for k, v in state.items() if _optimizer_key_fqn(k)[1] not in aliases}
@@ -802,6 +809,7 @@ def _load_sharded(
         # every copy of a tied parameter asks for the canonical entry (the only one stored)
         state[key], model_keys[key] = to_canonical(model, aliases)
     optimizer_keys = []
+    live_states: dict[int, dict[str, Any]] = {}
     for i, optimizer in enumerate(optimizers):
         if optimizer_key(i) not in stored:
             raise CheckpointError(
@@ -818,8 +826,15 @@ def _load_sharded(
         if not optimizer.param_groups:  # nothing that trains on this rank: no state to read
             optimizer_keys.append(None)
             continue
+        _drop_unsaved_group_entries(optimizer, module, index, optimizer_key(i), aliases)
         osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
-        state[optimizer_key(i)], keys = to_canonical(osd, aliases, optimizer=True)
+        request, keys = to_canonical(osd, aliases, optimizer=True)
+        if not any(key.startswith(f"{optimizer_key(i)}.state.") for key in index):
+            # saved before its first step (see optimizer_state): read the groups; the state is emptied after
+            live_states[i] = {k: v for k, v in osd.items() if k.startswith("state.")}
+            request = {k: v for k, v in request.items() if k.startswith("param_groups.")}
+            keys = {key: canonical for key, canonical in keys.items() if canonical in request}
+        state[optimizer_key(i)] = request
         optimizer_keys.append(keys)
     planner = _CheckedLoadPlanner() if resolve_weights_only(weights_only) else None
     try:
@@ -834,7 +849,30 @@ def _load_sharded(
         if optimizer_keys[i] is None:
             continue
         osd = from_canonical(state[optimizer_key(i)], optimizer_keys[i])
-        set_optimizer_state_dict(module, optimizer, osd, options=_OPTIMIZER_OPTIONS)
+        set_optimizer_state_dict(module, optimizer, {**live_states.get(i, {}), **osd}, options=_OPTIMIZER_OPTIONS)
+        if i in live_states:  # as `Optimizer.load_state_dict` of a state saved before the first step
+            optimizer.state.clear()
+
+
+def _drop_unsaved_group_entries(
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    index: Mapping[str, Any],
+    prefix: str,
+    aliases: Mapping[str, str],
+) -> None:
+    """Remove the parameter-group entries the checkpoint does not hold (an ``initial_lr`` that a scheduler added
+    after the save, as Lightning's learning-rate finder does before restoring its checkpoint): DCP would ask
+    for them and fail, while ``Optimizer.load_state_dict`` on one device replaces the groups with the saved
+    ones, which drops them the same way."""
+    osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
+    request, _ = to_canonical(osd, aliases, optimizer=True)
+    unsaved = {
+        key.rsplit(".", 1)[1] for key in request if key.startswith("param_groups.") and f"{prefix}.{key}" not in index
+    }
+    for group in optimizer.param_groups:
+        for entry in unsaved - {"params"}:
+            group.pop(entry, None)
 
 
 # -- data-loader states ------------------------------------------------------------------------------

@@ -662,7 +662,7 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         if "save_at_end" in run.checks:
             trainer.save_checkpoint(out / "end.ckpt")
         rank = trainer.global_rank
-        extras = after_fit(trainer, model, run, run.local_batch_size)
+        extras = after_fit(trainer, model, run, run.local_batch_size, loader)
     if "warnings" in run.checks:
         extras["warnings"] = sorted({str(w.message) for w in caught})
     if "no_foreign_tensors" in run.checks:
