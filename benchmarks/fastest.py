@@ -30,9 +30,9 @@ Each launch times 6 steps after 4 warm-up steps (every implementation's steps st
 a job's step is the median of its launches' medians, and the table gives, beside ``auto`` over the fastest torch
 schedule, that ratio round by round: its spread is what the machine's drift alone does to it.
 
-Writes ``runs/fastest/results.json`` and prints the table (``docs/planner.md`` holds a run's), with the bound: the
-fastest of every order considered (bfpp's kinds, which include torch's orders) with free communication and no host
-cost, from the simulator on the layers' nominal times.
+Writes ``runs/fastest/results.json`` and prints the table (``docs/benchmarks/planner.md`` holds runs' tables), with
+the bound: the fastest of every order considered (bfpp's kinds, which include torch's orders) with free
+communication and no host cost, from the simulator on the layers' nominal times.
 """
 
 from __future__ import annotations
