@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bfpp  # noqa: F401
 from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.measure.emulated import LayerStack
 
 SEQ, WIDTH, BLOCKS, MICROBATCH = 128, 256, 16, 16
 
@@ -47,18 +48,10 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class Net(L.LightningModule):
+class Net(LayerStack):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

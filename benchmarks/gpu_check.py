@@ -405,12 +405,15 @@ def busy_share(device: torch.device, sizes: Sizes, schedule: str, v: int) -> flo
 
 
 def measure_schedules(device: torch.device, sizes: Sizes, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    from lightning_bfpp.adapter.user_step import training_step_input
     from lightning_bfpp.measure.profile import profile_module
 
     module = make_model("gpt", sizes).to(device)
     batch = next(iter(make_loader("gpt", sizes)))
     micro = [t[: sizes.batch // sizes.microbatches].to(device) for t in batch]
-    profile = dataclasses.replace(profile_module(module, micro, split_backward=True), optimizer_state_ratio=2.0)
+    profile = dataclasses.replace(
+        profile_module(module, micro, training_step_input, split_backward=True), optimizer_state_ratio=2.0
+    )
     cluster = Cluster(1, 1, 2**50, 1e12, 1e12)
     rows = []
     for schedule, v in one_rank_schedules():

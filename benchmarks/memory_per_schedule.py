@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 import lightning_bfpp  # noqa: F401
 from examples.train_gpt import GPT, SortDigits
 from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.adapter.user_step import training_step_input
 from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan import Cluster, Plan, get_schedule, schedule_names, simulate
 
@@ -133,7 +134,7 @@ def predict(schedules: list[str], m: int, counts: dict[str, list[int]]) -> dict[
     torch.manual_seed(0)
     module = GPT(**GPT_ARGS)
     batch = next(iter(DataLoader(SortDigits(MICROBATCH, seed=1), batch_size=MICROBATCH)))
-    profile = profile_module(module, batch, split_backward=True)
+    profile = profile_module(module, batch, training_step_input, split_backward=True)
     cluster = Cluster(P, P, 2**40, 1e9, 1e9)
     return {
         s: simulate(

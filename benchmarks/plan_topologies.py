@@ -25,6 +25,7 @@ if "lightning_bfpp" not in sys.modules:
     sys.modules["lightning_bfpp"] = _package
 
 from lightning_bfpp.plan import Candidate, Cluster, ModelProfile, SearchSpace, gpt, search  # noqa: E402
+from lightning_bfpp.plan.schedules.weight_passing import WeightPassingOptions  # noqa: E402
 
 LAYERS, HIDDEN, VOCAB = 48, 4096, 32000
 PEAK, MFU = 312e12, 0.5  # A100 bf16 dense peak, sustained fraction
@@ -118,7 +119,7 @@ def best(family: tuple, sequence: int, cl: Cluster, tokens_per_gpu: int = TOKENS
                 pipeline_sizes=(p,),
                 stages_per_rank=stages,
                 num_microbatches=_microbatches(batch // dp, p, passing),
-                weight_passing_stagger=(label.endswith("*"),),
+                options={"weight_passing": (WeightPassingOptions(stagger=label.endswith("*")),)},
             )
             for c in search(profile, cl, batch, space):
                 if c.infeasible:

@@ -29,6 +29,8 @@ import torch
 from benchmarks.fastest import Point
 from benchmarks.suite import launch
 from benchmarks.suite.spec import Job
+from lightning_bfpp.adapter.strategy import BFPPStrategy
+from lightning_bfpp.adapter.user_step import training_step_input
 from lightning_bfpp.measure.calibrate import RUNTIME_MODEL, one_thread, run_emulated, sensitivity
 from lightning_bfpp.measure.emulated import EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
@@ -65,13 +67,15 @@ def fit_costs(rows: list[tuple[float, float, float]]) -> tuple[tuple[float, floa
 def measure(cluster: Cluster, rounds: int) -> None:
     cluster = replace(cluster, data_parallel_action_overhead_s=0.0)
     with one_thread():
-        profile = profile_module(EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),))
+        profile = profile_module(
+            EmulatedNet(RUNTIME_MODEL), (torch.randn(1, RUNTIME_MODEL.activation_numel),), training_step_input
+        )
     profile = replace(profile, optimizer_state_ratio=0.0)
     runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     for _ in range(rounds):  # alternating, so that the machine's drift spreads over every layout
         for name, (v, m, weights) in LAYOUTS.items():
             model = replace(RUNTIME_MODEL, param_numel=weights // 4)
-            runs[name].append(run_emulated(replicated_plan(v, m), model, 12, 4))
+            runs[name].append(run_emulated(replicated_plan(v, m), model, 12, 4, strategy=BFPPStrategy))
     rows = []
     for name, (v, m, weights) in LAYOUTS.items():
         plan = replicated_plan(v, m)

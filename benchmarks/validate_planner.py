@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_bfpp.adapter.strategy import BFPPStrategy
+from lightning_bfpp.adapter.user_step import training_step_input
 from lightning_bfpp.measure.calibrate import calibrate, one_thread, run_emulated, run_emulated_auto
 from lightning_bfpp.measure.emulated import EmulatedModel, EmulatedNet
 from lightning_bfpp.measure.profile import profile_module
@@ -103,7 +105,9 @@ def _profile(model: EmulatedModel) -> ModelProfile:
     """Measured layer by layer on one process; each layer splits over a tensor group with one all-reduce of its
     output per pass (``EmulatedLayer.parallelize``), which a profile on one process cannot see."""
     with one_thread():  # as the training processes run
-        profile = profile_module(EmulatedNet(model), (torch.randn(1, model.activation_numel),), repeats=15)
+        profile = profile_module(
+            EmulatedNet(model), (torch.randn(1, model.activation_numel),), training_step_input, repeats=15
+        )
     layers = tuple(replace(layer, tensor_parallel_all_reduces=1) for layer in profile.layers)
     return replace(profile, layers=layers, optimizer_state_ratio=0.0)
 
@@ -123,7 +127,7 @@ def main() -> None:
     if args.topology:
         _topology(args.steps, out)
         return
-    cluster, timings = calibrate(args.devices, group_size=2)
+    cluster, timings = calibrate(args.devices, group_size=2, strategy=BFPPStrategy)
     cluster.to_json(out / f"cluster{args.devices}.json")
     print(f"calibrated: {cluster}\nruntime runs: {timings['runtime']}\n")
     profiles: dict[EmulatedModel, ModelProfile] = {}
@@ -135,7 +139,7 @@ def main() -> None:
         profile = profiles.setdefault(model, _profile(model))
         prediction = simulate(config, profile, cluster)
         # a job of its own: in one long job at 8 processes on 2 cores the later configurations ran slower
-        step = run_emulated(config, model, args.steps, args.devices)
+        step = run_emulated(config, model, args.steps, args.devices, strategy=BFPPStrategy)
         error = prediction.step_time / step - 1
         within += abs(error) <= 0.10
         print(f"| {config.describe()} | {model.param_bytes / 2**20:.2f} MiB | {1e3 * prediction.step_time:.1f} |"
@@ -152,7 +156,7 @@ def _auto_tensor(cluster: Cluster, steps: int) -> None:
     print("| activations per sample | chosen layout | predicted step (ms) | measured step (ms) | error |")
     print("|---|---|---|---|---|")
     for model in AUTO_MODELS:
-        step, chosen, predicted = run_emulated_auto(AUTO_TENSOR, model, steps, 4, cluster)
+        step, chosen, predicted = run_emulated_auto(AUTO_TENSOR, model, steps, 4, cluster, strategy=BFPPStrategy)
         print(f"| {model.activation_bytes // 1024} KiB | {chosen.describe()} | {1e3 * predicted:.1f} |"
               f" {1e3 * step:.1f} | {predicted / step - 1:+.1%} |", flush=True)  # fmt: skip
 
@@ -160,7 +164,7 @@ def _auto_tensor(cluster: Cluster, steps: int) -> None:
 def _topology(steps: int, out: Path) -> None:
     """Each model under each of ``TOPOLOGY``'s ways of training, measured one after the other (ratios from this
     one run) and predicted by the planner for the same 2 nodes of 2 (links calibrated here: loopback both ways)."""
-    cluster, _ = calibrate(4, group_size=2)
+    cluster, _ = calibrate(4, group_size=2, strategy=BFPPStrategy)
     cluster = replace(cluster, devices_per_node=2)
     cluster.to_json(out / "cluster_topology.json")
     print(f"calibrated (as 2 nodes × 2): {cluster}\n")
@@ -173,7 +177,9 @@ def _topology(steps: int, out: Path) -> None:
         rows = []
         for config in TOPOLOGY:
             predicted = simulate(config, profile, cluster).step_time
-            rows.append((config, run_emulated(config, model, steps, 4, processes_per_node=2), predicted))
+            rows.append(
+                (config, run_emulated(config, model, steps, 4, processes_per_node=2, strategy=BFPPStrategy), predicted)
+            )
         base_measured, base_predicted = rows[0][1], rows[0][2]
         for config, step, predicted in rows:
             error = predicted / step - 1

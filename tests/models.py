@@ -78,20 +78,6 @@ class ModelSpec:
     log: bool = True  # False: the steps log nothing (`Trainer(barebones=True)` refuses `self.log`)
 
 
-class LayerStack(L.LightningModule):
-    """A module that is its ``self.layers`` applied in order: the smallest ``pipeline_layers()`` contract."""
-
-    layers: nn.ModuleList
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def is_frozen(name: str, frozen: Sequence[str]) -> bool:
     """Whether parameter ``name`` is one of ``frozen`` or inside a module named there."""
     return any(name == f or name.startswith(f + ".") for f in frozen)
@@ -325,7 +311,7 @@ class FailWhileSaving(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
-        from lightning_bfpp.engine import checkpoint as checkpoint_io
+        from lightning_bfpp.engine.checkpoint import saving as checkpoint_saving
 
         rank, where = trainer.global_rank, self.where
 
@@ -348,7 +334,7 @@ class FailWhileSaving(L.Callback):
         elif where == "write":
             self._replace(FileSystemWriter, "write_data", fail)
         elif where == "metadata":
-            self._replace(checkpoint_io, "_write_metadata", fail)
+            self._replace(checkpoint_saving, "_write_metadata", fail)
         elif where == "between_renames":
             rename = Path.rename
 
@@ -360,7 +346,7 @@ class FailWhileSaving(L.Callback):
 
             self._replace(Path, "rename", second_rename_fails)
         else:
-            remove = checkpoint_io._remove
+            remove = checkpoint_saving._remove
 
             def old_stays(path: Path) -> None:
                 staging = path.with_name(path.name.removesuffix(".old") + ".tmp")
@@ -368,7 +354,7 @@ class FailWhileSaving(L.Callback):
                     fail()
                 remove(path)
 
-            self._replace(checkpoint_io, "_remove", old_stays)
+            self._replace(checkpoint_saving, "_remove", old_stays)
 
     def _put_back(self) -> None:
         while self._restore:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_bfpp.measure.emulated import EmulatedLayer
-from tests.models import LayerStack, PipeNet, RunSpec
+from lightning_bfpp.measure.emulated import EmulatedLayer, LayerStack
+from tests.models import PipeNet, RunSpec
 
 # per layer and micro-batch; 8 layers over (p, v) = (2, 2) make a stage's sweep over 4 micro-batches last
 # 4 x 2 x 20 ms = 160 ms, against a few milliseconds for gathering a stage's 2 x 2 MB of weights

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_bfpp.engine import checkpoint as checkpoint_io
+from lightning_bfpp.engine.checkpoint import saving as checkpoint_saving
 from tests.models import DataSpec, ModelSpec, RegressionData, RunSpec
 
 _DATA_FIELDS = {f.name for f in dataclasses.fields(DataSpec)}
@@ -184,7 +184,7 @@ class FailMetadataWrite(L.Callback):
 
     def __init__(self, rank: int, step: int) -> None:
         self.rank, self.step = rank, step
-        self.original = checkpoint_io._write_metadata
+        self.original = checkpoint_saving._write_metadata
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step - 1:
@@ -192,13 +192,13 @@ class FailMetadataWrite(L.Callback):
             def broken(*args: Any, **kwargs: Any) -> None:
                 raise OSError("injected failure: no space left on device while writing meta.pt")
 
-            checkpoint_io._write_metadata = broken
+            checkpoint_saving._write_metadata = broken
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        checkpoint_io._write_metadata = self.original  # the next runs in these processes save normally
+        checkpoint_saving._write_metadata = self.original  # the next runs in these processes save normally
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        checkpoint_io._write_metadata = self.original
+        checkpoint_saving._write_metadata = self.original
 
 
 def _add_failures(run: RunSpec, trainer: L.Trainer) -> None:

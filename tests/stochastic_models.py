@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import SumMetric
 
-from tests.models import LayerStack, PipeNet, RunSpec
+from lightning_bfpp.measure.emulated import LayerStack
+from tests.models import PipeNet, RunSpec
 
 
 class Unit(nn.Module):

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from benchmarks.suite.instrument import COUNTERS, MEMORY
 from benchmarks.suite.spec import Emulated, GPTSpec, Job
 from examples.train_gpt import GPT, SortDigits
-from lightning_bfpp.measure.emulated import split_sleep
+from lightning_bfpp.measure.emulated import LayerStack, split_sleep
 
 
 class _Sleep(torch.autograd.Function):
@@ -147,20 +147,12 @@ def _sample_memory(*_: Any) -> None:
 # -- Lightning modules ----------------------------------------------------------------------------------------
 
 
-class EmulatedNet(L.LightningModule):
+class EmulatedNet(LayerStack):
     """The emulated model for ``BFPPStrategy``: ``pipeline_layers()`` and a single-device step."""
 
     def __init__(self, spec: Emulated, microbatch_size: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(SleepLayer(spec, microbatch_size) for _ in range(spec.layers))
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch

@@ -35,10 +35,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_bfpp.adapter._lightning_compat import request_train_dataloader
+from lightning_bfpp.adapter.user_step import training_step_input
 from lightning_bfpp.engine.agreement import AgreedError
 from lightning_bfpp.engine.sharding import tensor_group_mesh
 from lightning_bfpp.plan.cluster import Cluster
-from lightning_bfpp.plan.config import AUTO, PipelineConfig
+from lightning_bfpp.plan.config import AUTO, PipelineConfig, config_rules
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.schedules import get_schedule, schedule_names
 from lightning_bfpp.plan.search import Candidate, SearchSpace, format_size, format_table, search_per_replica_batch
@@ -106,9 +107,14 @@ def measure_profile(
     # each kind of layer measured once, on a copy on `device` where it is elsewhere or on the meta device: the
     # module itself is neither moved nor materialized (a model that needs a pipeline fits on no one device)
     if split is None:
-        return profile_module(module, batch, split_backward=split_backward)
+        return profile_module(module, batch, training_step_input, split_backward=split_backward)
     return profile_module(
-        module, batch, parallelize=split.parallelize, tensor_mesh=split.mesh, split_backward=split_backward
+        module,
+        batch,
+        training_step_input,
+        parallelize=split.parallelize,
+        tensor_mesh=split.mesh,
+        split_backward=split_backward,
     )
 
 
@@ -147,7 +153,7 @@ def candidate_schedules(config: PipelineConfig) -> tuple[str, ...]:
     allowed = []
     for name in schedule_names():
         try:
-            get_schedule(name).check_config(replace(config, schedule=name))
+            config_rules(name).check_config(replace(config, schedule=name))
         except ValueError:
             continue
         allowed.append(name)

@@ -95,7 +95,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
             (torch's interleaved zero bubble, ZB-H1), ``"zbv"`` (zero bubble with two stages per rank in a V), or
             ``"weight_passing"`` (TawPipe: no pipeline; every rank trains on its own micro-batches through the
             whole model while the layers, cut into one chunk per rank and each owned by one rank, travel to it
-            along the node topology; see :mod:`lightning_bfpp.engine.weight_passing`); or ``"auto"``: the
+            along the node topology; see :mod:`lightning_bfpp.engine.runners.weight_passing`); or ``"auto"``: the
             planner measures the model and chooses the fastest schedule the other arguments allow (with
             ``stages_per_rank``, ``num_microbatches`` and ``pipeline_parallel_size`` where those are ``"auto"``).
         microbatch_group_size: for ``"depth_first"``, micro-batches per stage visit, from ``p``
@@ -171,17 +171,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         pipeline_parallel_size: int | Auto | None = None,
         stages_per_rank: int | Auto = "auto",
         num_microbatches: int | Auto = "auto",
-        schedule: Literal[
-            "breadth_first",
-            "breadth_first_zb",
-            "depth_first",
-            "gpipe",
-            "1f1b",
-            "interleaved_zb",
-            "zbv",
-            "weight_passing",
-            "auto",
-        ] = "breadth_first",
+        schedule: str = "breadth_first",  # a registered name or "auto", checked against the registry
         sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = "full_shard",
         data_parallel_size: int | Auto = "auto",
         partition: PartitionSpec | None = None,

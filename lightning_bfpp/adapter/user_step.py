@@ -82,6 +82,12 @@ def capture_model_input(
     )
 
 
+def training_step_input(module: LightningModule, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What ``module.training_step(batch, 0)`` passes to ``self(...)``: the pipeline's input for ``batch``, the
+    capture a profile's first layer runs on (``lightning_bfpp.measure.profile.profile_module``'s ``capture``)."""
+    return capture_model_input(module, module.training_step, "training_step", batch, 0)
+
+
 _CONSTANT_TYPES = (bool, int, float, type(None))
 
 

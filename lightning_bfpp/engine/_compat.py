@@ -101,7 +101,7 @@ MANUAL_BACKWARD_FINALIZATION = hasattr(FSDPModule, "finalize_backward")
 _RECORD_FUNCTION, _WAIT_P2P = _torch_schedules.record_function, _torch_schedules._wait_batch_p2p
 
 # The file in a checkpoint folder that holds Lightning's non-tensor state, which its `consolidate_checkpoint`
-# and its model-parallel loaders look for. A literal, so that `checkpoint.py` imports without Lightning;
+# and its model-parallel loaders look for. A literal, so that `checkpoint/` imports without Lightning;
 # test_compat checks that it equals Lightning's own `lightning.fabric.utilities.load._METADATA_FILENAME`.
 _METADATA_FILENAME = "meta.pt"
 

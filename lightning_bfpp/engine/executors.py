@@ -6,7 +6,7 @@
   ranks through torch's pipeline runtime (``PipelineStage``s, :class:`~lightning_bfpp.engine.runtime.PlannedSchedule`);
   FSDP2 gathers and reduces each stage over the data-parallel group, optionally overlapped
   (:mod:`lightning_bfpp.engine.reductions`).
-- :class:`lightning_bfpp.engine.weight_passing.WeightPassingExecutor` (the ``"weight_passing"`` runner): every
+- :class:`lightning_bfpp.engine.runners.weight_passing.WeightPassingExecutor` (the ``"weight_passing"`` runner): every
   rank runs every chunk of layers on its own micro-batches, and the chunks' weights and gradients travel instead.
 
 The pipeline asks an executor for a runner per step kind and shape (:meth:`Executor.build`), to start the first

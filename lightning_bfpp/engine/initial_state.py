@@ -16,7 +16,7 @@ So after setup's agreement and before the stages are sharded, each rank takes:
 - global rank 0's values of the buffers outside the pipeline layers: every rank keeps those, and the step code
   on the first and on the last stage must read the same values;
 - under weight passing, every chunk's buffers from the chunk's owner. A chunk's parameters exist on its owner
-  alone and need nothing (see :mod:`lightning_bfpp.engine.weight_passing` for how buffers travel afterwards).
+  alone and need nothing (see :mod:`lightning_bfpp.engine.runners.weight_passing` for how buffers travel afterwards).
 
 Cost, once per setup: each rank receives the bytes of what it holds before sharding (its local stages: about
 ``Ψ / p`` of a model of ``Ψ`` bytes over ``p`` pipeline ranks; under weight passing only the chunks' buffers)

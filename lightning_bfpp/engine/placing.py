@@ -1,6 +1,6 @@
 """What every runner's build shares: where this process builds, and the first steps of keeping its layers.
 
-A runner (:data:`lightning_bfpp.engine.build.RUNNERS`: a pipeline of sharded stages, or weight passing's chunks)
+A runner (:mod:`lightning_bfpp.engine.runners`: a pipeline of sharded stages, or weight passing's chunks)
 turns a module and a :class:`~lightning_bfpp.plan.plan.Plan` into this rank's part of a
 :class:`~lightning_bfpp.engine.pipeline.Pipeline`. It is given a :class:`BuildContext` (this process's mesh, device
 and the caller's callbacks) and returns a :class:`Build`: what it placed, and what is left to do once the ranks

@@ -204,7 +204,22 @@ class EmulatedModel:
         return 4 * self.activation_numel
 
 
-class EmulatedNet(L.LightningModule):
+class LayerStack(L.LightningModule):
+    """A module that is its ``self.layers`` applied in order: the smallest ``pipeline_layers()`` contract, shared
+    by the emulated models here, the benchmark suite's and the tests'."""
+
+    layers: nn.ModuleList
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class EmulatedNet(LayerStack):
     def __init__(self, spec: EmulatedModel) -> None:
         super().__init__()
         self.spec = spec
@@ -213,19 +228,11 @@ class EmulatedNet(L.LightningModule):
             for _ in range(spec.layers)
         )
 
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.layers)
-
     def parallelize_layer(self, layer: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         """``BFPPStrategy(tensor_parallel_size=t)`` calls this for each layer a rank holds."""
         assert isinstance(layer, EmulatedLayer)
         layer.parallelize(tp_mesh)
         return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (x,) = batch

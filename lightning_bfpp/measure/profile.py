@@ -1,8 +1,9 @@
 """Measure a LightningModule's pipeline layers on this machine: the planner's model description.
 
 Each layer of ``pipeline_layers()`` runs forward and backward on the output of the previous one, starting
-from what ``training_step`` passes to ``self(...)`` for one real batch (the same capture the strategy uses),
-and records its median forward and backward time, its parameter bytes, the bytes it hands on, and the bytes
+from what ``training_step`` passes to ``self(...)`` for one real batch (the same capture the strategy uses, passed
+in by the caller: ``lightning_bfpp.adapter.user_step.training_step_input``; this package imports nothing above the
+engine), and records its median forward and backward time, its parameter bytes, the bytes it hands on, and the bytes
 autograd keeps for its backward (counted once per storage, parameters excluded). With ``split_backward`` (for the
 zero-bubble schedules) the layer also runs a forward and torch's own split backward, as its runtime runs a
 ``BACKWARD_INPUT`` and a ``BACKWARD_WEIGHT`` (``stage_backward_input``, then ``stage_backward_weight``): each pass is
@@ -31,15 +32,14 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_bfpp.adapter.user_step import capture_model_input
 from lightning_bfpp.engine._compat import (
     CollectiveCounter,
     backward_input,
@@ -49,6 +49,10 @@ from lightning_bfpp.engine._compat import (
 )
 from lightning_bfpp.engine.layers import materialize_meta, pipeline_layers
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile
+
+# what a module's step passes to ``self(...)`` for a batch: the first layer's positional and keyword arguments
+ModelInput = tuple[tuple[Any, ...], dict[str, Any]]
+Module = TypeVar("Module", bound=nn.Module)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -78,6 +82,21 @@ def _fresh(leaves: list[Any]) -> list[Any]:
     return [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in leaves]
 
 
+def _leaves(inputs: Any, first: bool) -> list[Any]:
+    """A layer's inputs as new leaves: the batch needs no gradient, as in the pipeline; later layers' inputs are
+    activations."""
+    return [
+        t.detach().requires_grad_(t.is_floating_point() and not first) if isinstance(t, torch.Tensor) else t
+        for t in (inputs if isinstance(inputs, tuple) else (inputs,))
+    ]
+
+
+def _call(layer: nn.Module, leaves: list[Any], kwargs: dict[str, Any], first: bool) -> Any:
+    """The first layer gets the step's arguments; later layers get activations as StageModule passes them: one
+    tensor, or a tuple as one argument."""
+    return layer(*leaves, **kwargs) if first else layer(leaves[0] if len(leaves) == 1 else tuple(leaves))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -88,7 +107,7 @@ def _split_backward(
 ) -> tuple[float, float, int]:
     """One forward of ``layer`` on ``leaves``, then torch's split backward: the input pass's and the weight pass's
     seconds, and the bytes the first keeps for the second."""
-    output = layer(*leaves, **kwargs) if first else layer(leaves[0] if len(leaves) == 1 else tuple(leaves))
+    output = _call(layer, leaves, kwargs, first)
     # copies: torch's input pass detaches its outputs in place, which a view refuses (a copy changes no intermediate)
     outs = [t.clone() for t in _tensors(output) if t.requires_grad]
     weights = [p for p in layer.parameters() if p.requires_grad]
@@ -138,9 +157,34 @@ def _placed(layer: nn.Module, device: torch.device) -> nn.Module:
     return probe.to(device)
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """How every layer of one profile is measured (:func:`profile_module`'s arguments)."""
+
+    device: torch.device
+    kwargs: dict[str, Any]  # the first layer's keyword arguments
+    repeats: int
+    split_backward: bool
+    parallelize: Callable[[nn.Module, DeviceMesh], Any] | None
+    tensor_mesh: DeviceMesh | None
+
+
+class _Run(NamedTuple):
+    """One forward and backward of a layer: its times, the bytes autograd saved for the backward (parameters left
+    out) and those torch's input pass kept for its weight pass."""
+
+    forward_s: float
+    backward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    saved_bytes: int
+    kept_bytes: int
+
+
 def profile_module(
-    module: LightningModule,
+    module: Module,
     batch: Any,
+    capture: Callable[[Module, Any], ModelInput],
     *,
     microbatch_size: int | None = None,
     repeats: int = 5,
@@ -153,6 +197,9 @@ def profile_module(
     or on the meta device, is measured on a copy there, one layer at a time), each kind of layer measured once
     (:func:`_alike`).
 
+    ``capture(module, batch)``: the arguments the module's step passes to ``self(...)`` for ``batch`` (the first
+    layer's input), as the strategy captures them (``lightning_bfpp.adapter.user_step.training_step_input``).
+
     ``split_backward=False`` skips torch's split backward (``backward_input_s`` and ``backward_weight_s`` left
     unknown): only a zero-bubble schedule needs it, and it costs another forward and backward per layer.
 
@@ -160,113 +207,140 @@ def profile_module(
     measuring it (called by every member of the group, on the same batch); the module itself is left as it is."""
     if (parallelize is None) != (tensor_mesh is None):
         raise ValueError("profile_module: give both `parallelize` and `tensor_mesh`, or neither")
-    layers = pipeline_layers(module)
-    args, kwargs = capture_model_input(module, module.training_step, "training_step", batch, 0)
+    layers = [layer for _, layer in pipeline_layers(module)]
+    args, kwargs = capture(module, batch)
     sizes = {t.shape[0] for t in _tensors(args) if t.dim() > 0}
     device = next((t.device for t in _tensors(args)), torch.device("cpu"))
-    costs = []
-    inputs: tuple[Any, ...] = args
-    first = True
-    # a layer alike one measured already, on inputs alike, costs what that one cost, and gives outputs alike
-    measured: dict[tuple[Any, ...], tuple[LayerCost, tuple[Any, ...]]] = {}
-    for _, layer in layers:
-        key = _alike(layer, inputs, first)
-        if key in measured:
-            cost, inputs = measured[key]
-            costs.append(cost)
-            first = False
-            continue
-        placed = _placed(layer, device)
-        if parallelize is not None:  # on a copy: the module's own layer stays whole
-            placed = copy.deepcopy(placed) if placed is layer else placed
-            placed = parallelize(placed, tensor_mesh) or placed
-        layer = placed
-        # the first run counts the group's collectives: in the forward, and in the whole backward
-        forward_count, backward_count = CollectiveCounter(), CollectiveCounter()
-        param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
-        forward_times, backward_times, input_grad_times, weight_grad_times = [], [], [], []
-        saved_bytes = kept = 0
-        output: Any = None
-        for attempt in range(repeats + 1):
-            # each backward starts without gradients, as a step's first micro-batch does: accumulating over the
-            # attempts would hold a second gradient of the layer beside the one it adds to (an embedding's
-            # gradient is as large as the embedding)
-            layer.zero_grad(set_to_none=True)
-            leaves = [
-                # the batch needs no gradient, as in the pipeline; later layers' inputs are activations
-                t.detach().requires_grad_(t.is_floating_point() and not first) if isinstance(t, torch.Tensor) else t
-                for t in (inputs if isinstance(inputs, tuple) else (inputs,))
-            ]
-            storages: dict[int, int] = {}
-
-            def pack(
-                t: torch.Tensor, storages: dict[int, int] = storages, skip: set[int] = param_storages
-            ) -> torch.Tensor:
-                storage = _local(t).untyped_storage()
-                if storage.data_ptr() not in skip:
-                    storages[storage.data_ptr()] = storage.nbytes()
-                return t
-
-            _sync(device)
-            start = time.perf_counter()
-            counting = attempt == 0 and tensor_mesh is not None
-            with (
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-                forward_count if counting else contextlib.nullcontext(),
-            ):
-                # later layers get activations as StageModule passes them: one tensor, or a tuple as one argument
-                activation = leaves[0] if len(leaves) == 1 else tuple(leaves)
-                output = layer(*leaves, **kwargs) if first else layer(activation)
-            _sync(device)
-            middle = time.perf_counter()
-            outs = [t for t in _tensors(output) if t.requires_grad]
-            if outs:
-                with backward_count if counting else contextlib.nullcontext():
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            _sync(device)
-            end = time.perf_counter()
-            wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-            if outs and wanted and split_backward:  # torch's split backward, on a forward of its own
-                input_s, weight_s, kept = _split_backward(layer, _fresh(leaves), kwargs, first, device)
-            else:  # no input to differentiate (the first layer): the whole backward is the weight pass
-                input_s, weight_s = 0.0, end - middle
-            if attempt:  # the first run warms up
-                forward_times.append(middle - start)
-                backward_times.append(end - middle)
-                input_grad_times.append(input_s)
-                weight_grad_times.append(weight_s)
-                saved_bytes = sum(storages.values())
-        layer.zero_grad(set_to_none=True)
-        forward_s, backward_s = statistics.median(forward_times), statistics.median(backward_times)
-        input_grad_s, weight_grad_s = statistics.median(input_grad_times), statistics.median(weight_grad_times)
-        split = {}
-        if tensor_mesh is not None:
-            n_forward, n_backward = forward_count.count, backward_count.count
-            each = _collective_s(tensor_mesh, _tensors(output), repeats) if n_forward or n_backward else 0.0
-            forward_s = max(forward_s - n_forward * each, 0.0)
-            # the input gradient's all-reduces run in the input-gradient pass and again in the whole backward
-            input_grad_s = max(input_grad_s - n_backward * each, 0.0)
-            backward_s = max(backward_s - n_backward * each, 0.0)
-            split = {"tensor_parallel_all_reduces": n_forward, "measured_split": tensor_mesh.size()}
-        costs.append(
-            LayerCost(
-                forward_s=forward_s,
-                backward_s=backward_s,
-                param_bytes=sum(_local(p).numel() * p.element_size() for p in layer.parameters()),
-                output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
-                saved_bytes=saved_bytes,
-                backward_weight_s=weight_grad_s if split_backward else None,
-                backward_input_s=input_grad_s if split_backward else None,
-                intermediate_grad_bytes=kept,
-                **split,
-            )
-        )
-        outputs = _tensors(output)
-        inputs = tuple(t.detach() for t in outputs) if isinstance(output, tuple) else (output.detach(),)
-        measured[key] = (costs[-1], inputs)
-        # a copy measured is freed, with the graph its last outputs hold, before the next one is made
-        del layer, placed, output, outs, leaves, activation
-        first = False
+    setup = _Setup(device, kwargs, repeats, split_backward, parallelize, tensor_mesh)
+    costs = _layer_costs(layers, args, setup)
     size = microbatch_size or (sizes.pop() if len(sizes) == 1 else 1)
     _return_freed_memory(device)
     return ModelProfile(tuple(costs), microbatch_size=size, name=name or type(module).__name__)
+
+
+def _layer_costs(layers: list[nn.Module], args: tuple[Any, ...], setup: _Setup) -> list[LayerCost]:
+    """Each layer's cost, each run on the previous one's outputs, the first on ``args``."""
+    costs = []
+    inputs: tuple[Any, ...] = args
+    # a layer alike one measured already, on inputs alike, costs what that one cost, and gives outputs alike
+    measured: dict[tuple[Any, ...], tuple[LayerCost, tuple[Any, ...]]] = {}
+    for index, layer in enumerate(layers):
+        key = _alike(layer, inputs, index == 0)
+        if key not in measured:
+            measured[key] = _measure_layer(layer, inputs, index == 0, setup)
+        cost, inputs = measured[key]
+        costs.append(cost)
+    return costs
+
+
+def _for_measuring(layer: nn.Module, setup: _Setup) -> nn.Module:
+    """``layer`` on the device to measure on (:func:`_placed`) and, with ``parallelize``, split over the tensor
+    group, on a copy: the module's own layer stays whole."""
+    placed = _placed(layer, setup.device)
+    if setup.parallelize is None:
+        return placed
+    placed = copy.deepcopy(placed) if placed is layer else placed
+    return setup.parallelize(placed, setup.tensor_mesh) or placed
+
+
+def _measure_layer(
+    layer: nn.Module, inputs: tuple[Any, ...], first: bool, setup: _Setup
+) -> tuple[LayerCost, tuple[Any, ...]]:
+    """One layer's cost, its runs' medians after a warm-up run, and its outputs, detached (the next layer's
+    inputs). A copy measured is freed on return, with the graph its last outputs hold, before the next is made."""
+    layer = _for_measuring(layer, setup)
+    # the first run counts the group's collectives: in the forward, and in the whole backward
+    counters = (CollectiveCounter(), CollectiveCounter()) if setup.tensor_mesh is not None else None
+    param_storages = {_local(p).untyped_storage().data_ptr() for p in layer.parameters()}
+    runs = []
+    output: Any = None
+    for attempt in range(setup.repeats + 1):
+        run, output = _run_once(layer, inputs, first, setup, param_storages, None if attempt else counters)
+        if attempt:  # the first run warms up
+            runs.append(run)
+    layer.zero_grad(set_to_none=True)
+    times = _Run(
+        *(statistics.median(values) for values in list(zip(*runs, strict=True))[:4]),
+        saved_bytes=runs[-1].saved_bytes,
+        kept_bytes=runs[-1].kept_bytes,
+    )
+    split: dict[str, int] = {}
+    if counters is not None and setup.tensor_mesh is not None:
+        times, split = _without_collectives(times, output, counters, setup.tensor_mesh, setup.repeats)
+    cost = LayerCost(
+        forward_s=times.forward_s,
+        backward_s=times.backward_s,
+        param_bytes=sum(_local(p).numel() * p.element_size() for p in layer.parameters()),
+        output_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
+        saved_bytes=times.saved_bytes,
+        backward_weight_s=times.weight_grad_s if setup.split_backward else None,
+        backward_input_s=times.input_grad_s if setup.split_backward else None,
+        intermediate_grad_bytes=times.kept_bytes,
+        **split,
+    )
+    outputs = _tensors(output)
+    return cost, tuple(t.detach() for t in outputs) if isinstance(output, tuple) else (output.detach(),)
+
+
+def _run_once(
+    layer: nn.Module,
+    inputs: tuple[Any, ...],
+    first: bool,
+    setup: _Setup,
+    param_storages: set[int],
+    counters: tuple[CollectiveCounter, CollectiveCounter] | None,
+) -> tuple[_Run, Any]:
+    """One forward and backward of ``layer`` on ``inputs`` (with ``split_backward``, torch's split backward too, on
+    a forward of its own), and its output; ``counters`` count the tensor group's collectives in the forward and
+    in the whole backward."""
+    # each backward starts without gradients, as a step's first micro-batch does: accumulating over the runs would
+    # hold a second gradient of the layer beside the one it adds to (an embedding's is as large as the embedding)
+    layer.zero_grad(set_to_none=True)
+    leaves = _leaves(inputs, first)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    forward_count, backward_count = counters or (contextlib.nullcontext(), contextlib.nullcontext())
+    _sync(setup.device)
+    start = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_count:
+        output = _call(layer, leaves, setup.kwargs, first)
+    _sync(setup.device)
+    middle = time.perf_counter()
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    if outs:
+        with backward_count:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    _sync(setup.device)
+    end = time.perf_counter()
+    wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+    if outs and wanted and setup.split_backward:  # torch's split backward, on a forward of its own
+        input_s, weight_s, kept = _split_backward(layer, _fresh(leaves), setup.kwargs, first, setup.device)
+    else:  # no input to differentiate (the first layer): the whole backward is the weight pass
+        input_s, weight_s, kept = 0.0, end - middle, 0
+    return _Run(middle - start, end - middle, input_s, weight_s, sum(storages.values()), kept), output
+
+
+def _without_collectives(
+    times: _Run,
+    output: Any,
+    counters: tuple[CollectiveCounter, CollectiveCounter],
+    mesh: DeviceMesh,
+    repeats: int,
+) -> tuple[_Run, dict[str, int]]:
+    """``times`` less the tensor group's collectives (each timed on the group back to back: the planner charges
+    them as a step pays them), and the fields that mark the layer as measured split."""
+    n_forward, n_backward = counters[0].count, counters[1].count
+    each = _collective_s(mesh, _tensors(output), repeats) if n_forward or n_backward else 0.0
+    less = times._replace(
+        forward_s=max(times.forward_s - n_forward * each, 0.0),
+        # the input gradient's all-reduces run in the input-gradient pass and again in the whole backward
+        input_grad_s=max(times.input_grad_s - n_backward * each, 0.0),
+        backward_s=max(times.backward_s - n_backward * each, 0.0),
+    )
+    return less, {"tensor_parallel_all_reduces": n_forward, "measured_split": mesh.size()}

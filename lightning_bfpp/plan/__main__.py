@@ -31,7 +31,9 @@ from typing import Any
 
 from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster
 from lightning_bfpp.plan.costs import ModelProfile, gpt
-from lightning_bfpp.plan.search import PLAN_SCHEDULES, SearchSpace, format_table, search
+from lightning_bfpp.plan.schedules import schedule_names
+from lightning_bfpp.plan.schedules.weight_passing import WeightPassingOptions
+from lightning_bfpp.plan.search import SearchSpace, format_table, search
 from lightning_bfpp.plan.timeline import draw
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -88,7 +90,7 @@ def _search_parser(parser: argparse.ArgumentParser) -> None:
         " file keeps its own setting unless this is given)",
     )
     parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=PLAN_SCHEDULES)
+    parser.add_argument("--schedules", type=lambda s: tuple(s.split(",")), default=schedule_names())
     parser.add_argument(
         "--stagger",
         action="store_true",
@@ -119,6 +121,7 @@ def _profile_source(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _measure(args: argparse.Namespace) -> ModelProfile:
+    from lightning_bfpp.adapter.user_step import training_step_input
     from lightning_bfpp.engine.microbatch import batch_size, split_microbatches
     from lightning_bfpp.measure.profile import profile_module
 
@@ -130,7 +133,7 @@ def _measure(args: argparse.Namespace) -> ModelProfile:
     batch = next(iter(datamodule.train_dataloader()))
     if args.microbatch_size:
         batch = split_microbatches(batch, batch_size(batch) // args.microbatch_size)[0]
-    return profile_module(module, batch, repeats=args.repeats)
+    return profile_module(module, batch, training_step_input, repeats=args.repeats)
 
 
 def _profile(args: argparse.Namespace) -> ModelProfile:
@@ -187,6 +190,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 def run_search(args: argparse.Namespace) -> None:
     profile, cluster = _profile(args), _cluster(args)
+    staggered = (WeightPassingOptions(), WeightPassingOptions(stagger=True))  # the runtime's, and the what-if
     space = SearchSpace(
         schedules=args.schedules,
         shardings=args.shardings or SearchSpace().shardings,
@@ -194,7 +198,7 @@ def run_search(args: argparse.Namespace) -> None:
         pipeline_sizes=args.pipeline_sizes,
         stages_per_rank=args.stages_per_rank,
         num_microbatches=args.microbatches,
-        weight_passing_stagger=(False, True) if args.stagger else (False,),
+        options={"weight_passing": staggered} if args.stagger else {},
         tensor_parallel_sizes=args.tensor_parallel_sizes,
     )
     candidates = search(profile, cluster, args.global_batch, space)
@@ -238,7 +242,12 @@ def run_profile(args: argparse.Namespace) -> None:
 def run_calibrate(args: argparse.Namespace) -> None:
     from lightning_bfpp.measure.calibrate import calibrate
 
-    cluster, timings = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime)
+    strategy: type | None = None
+    if args.runtime:  # measured by training with the strategy, which the measuring code takes as an argument
+        from lightning_bfpp.adapter.strategy import BFPPStrategy
+
+        strategy = BFPPStrategy
+    cluster, timings = calibrate(args.devices, group_size=args.group_size, runtime=args.runtime, strategy=strategy)
     cluster.to_json(args.out)
     print(f"wrote {args.out}: {cluster}")
     if args.timings is not None:  # what the terms were fitted on, and how far the rounds of the links disagree

@@ -208,7 +208,6 @@ def add_sharding_actions(
     prefetch: int = 1,
     reduce_grads: bool = True,
     keep: int | None = None,
-    reduce_every_visit: bool = False,
 ) -> list[Action]:
     """Given one rank's compute actions, add UNSHARD / RESHARD / REDUCE_GRAD for sharded data parallelism.
 
@@ -241,10 +240,6 @@ def add_sharding_actions(
     ``REDUCE_GRAD``, or at the end of the list. The backward in between (a whole sweep of the next stage, under
     breadth-first) is what the reduction overlaps; the list's last wait is where the step's gradients are complete.
 
-    ``reduce_every_visit`` (weight passing): the gradients are reduced to their owner after *every* backward
-    visit that computed some, whatever ``reduce_grads``: a rank holds no gradients of chunks it does not own
-    beyond one visit's.
-
     ``reduce_grads=False`` leaves the ``REDUCE_GRAD`` actions out: for the batches of a gradient-accumulation
     window before its last, whose gradients FSDP2 keeps unsharded and adds to until the last batch's
     reduction (one reduction per optimizer step instead of one per batch).
@@ -262,7 +257,7 @@ def add_sharding_actions(
 
     def lower(look_ahead: int) -> list[Action]:
         return _lower_visits(visits, sharding, num_microbatches, prefetch, max(prefetch, look_ahead),
-                             reduce_grads=reduce_grads, reduce_every_visit=reduce_every_visit)  # fmt: skip
+                             reduce_grads=reduce_grads)  # fmt: skip
 
     if keep is not None or sharding != "full_shard":
         return lower(prefetch if keep is None else keep)
@@ -289,7 +284,6 @@ def _lower_visits(
     keep: int,
     *,
     reduce_grads: bool,
-    reduce_every_visit: bool,
 ) -> list[Action]:
     """:func:`add_sharding_actions` for one look-ahead ``keep``."""
     has_backward = any(kind is B for _, kind, _ in visits)
@@ -328,10 +322,7 @@ def _lower_visits(
         out.extend(run)
         finished = False
         gradients = sum(1 for a in run if a.kind in GRADIENT_KINDS)  # an I-only visit adds no weight gradient
-        if kind is B and reduce_every_visit:
-            if gradients:
-                reduce(stage)  # per visit, whatever `reduce_grads` (the owner accumulates)
-        elif kind is B:
+        if kind is B:
             backward_count[stage] += gradients
             if backward_count[stage] == num_microbatches:
                 if reduce_grads:

@@ -5,7 +5,8 @@ Everything here is pure (no torch, no processes), so every invalid combination i
 argument and the fix. What can only be checked once the world size or the model is known is checked by
 :meth:`PipelineConfig.resolve_mesh` and :meth:`PipelineConfig.resolve_plan`, which every rank also runs
 on identical inputs, so they raise identically everywhere instead of leaving some ranks waiting. What a
-schedule accepts is the schedule kind's to say (:meth:`~lightning_bfpp.plan.schedules.base.ScheduleKind.check_config`).
+schedule accepts, the mesh it fixes and its defaults are its :class:`ConfigRules`, registered by the schedule's name
+(:func:`register_config_rules`, from the schedule's own module); a schedule that registers none gets the defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Literal
 from lightning_bfpp.plan.mesh import MESH_ORDERS, MeshShape, hybrid_shard_size
 from lightning_bfpp.plan.partition import balance_by_weight, uniform_counts
 from lightning_bfpp.plan.plan import Plan
-from lightning_bfpp.plan.schedules import ScheduleKind, get_schedule, schedule_names
+from lightning_bfpp.plan.schedules import ByName, ScheduleKind, get_schedule, schedule_names
 
 Auto = Literal["auto"]
 PartitionSpec = Literal["parameters", "uniform", "time"] | Sequence[int]
@@ -123,7 +124,7 @@ class PipelineConfig:
                     " leave microbatch_group_size unset."
                 )
         else:
-            self.kind.check_config(self)
+            self.rules.check_config(self)
         if self.tensor_parallel_size > 1 and self.sharding == "hybrid_shard":
             raise ValueError(
                 f"BFPPStrategy: sharding='hybrid_shard' with tensor_parallel_size={self.tensor_parallel_size} is not"
@@ -137,6 +138,11 @@ class PipelineConfig:
         if self.schedule == AUTO:
             raise ValueError("schedule='auto' is chosen by the planner (lightning_bfpp.adapter.auto) first")
         return get_schedule(self.schedule)
+
+    @property
+    def rules(self) -> ConfigRules:
+        """The schedule's configuration rules (not for ``schedule="auto"``)."""
+        return config_rules(self.kind.name)
 
     @property
     def needs_planner(self) -> bool:
@@ -170,7 +176,7 @@ class PipelineConfig:
                 world_size // t, processes_per_node // t
             )
             return dataclasses.replace(shape, tensor_parallel_size=t)
-        fixed = None if self.schedule == AUTO else self.kind.resolve_mesh(self, world_size)
+        fixed = None if self.schedule == AUTO else self.rules.resolve_mesh(self, world_size)
         if fixed is not None:
             return fixed
         p, dp = self.pipeline_parallel_size, self.data_parallel_size
@@ -227,13 +233,13 @@ class PipelineConfig:
         """The plan for a model with these layer weights (parameter counts), names and, for ``partition="time"``,
         forward + backward times per layer (seconds): stages, micro-batches, the layer partition and the
         schedule, generated and validated here, once."""
-        kind = self.kind
+        kind, rules = self.kind, self.rules
         p = mesh.pipeline_parallel_size
         num_layers = len(layer_weights)
-        v = kind.stages_per_rank_for(self, mesh, num_layers)
+        v = rules.stages_per_rank_for(self, mesh, num_layers)
         num_stages = p * v
         if num_layers < num_stages:
-            raise ValueError(kind.too_few_layers(num_layers, p, v))
+            raise ValueError(rules.too_few_layers(num_layers, p, v))
         if isinstance(self.partition, tuple):
             if sum(self.partition) != num_layers:
                 raise ValueError(
@@ -250,7 +256,7 @@ class PipelineConfig:
             counts = balance_by_weight([max(round(t * 1e6), 0) for t in layer_times], num_stages)
         else:
             counts = balance_by_weight(layer_weights, num_stages)
-        m = kind.default_microbatches(mesh) if self.num_microbatches == AUTO else self.num_microbatches
+        m = rules.default_microbatches(mesh) if self.num_microbatches == AUTO else self.num_microbatches
         try:  # the schedule's own constraints (e.g. depth_first's group size), checked before any process waits
             kind.check_stages_per_rank(v)
             plan = Plan(
@@ -264,3 +270,71 @@ class PipelineConfig:
         except ValueError as error:
             raise ValueError(f"BFPPStrategy: {error}") from None
         return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# what a schedule accepts: its rules, registered by name
+
+
+class ConfigRules:
+    """What the configuration needs of a schedule: which arguments it takes and refuses (checked up front on every
+    rank), the mesh it fixes, and its defaults for ``"auto"`` values. The defaults here are those of the
+    activation pipelines; a schedule overrides what differs and registers an instance
+    (:func:`register_config_rules`)."""
+
+    #: whether tensor parallelism combines with it (the search then tries tensor groups for it too)
+    tensor_parallel: bool = True
+
+    def check_config(self, config: PipelineConfig) -> None:
+        """Refuse, up front, arguments this schedule cannot honour (a ``ValueError`` naming the argument)."""
+        kind = config.kind
+        if config.stages_per_rank != AUTO:
+            try:
+                kind.check_stages_per_rank(config.stages_per_rank)  # type: ignore[arg-type]
+            except ValueError as error:
+                raise ValueError(f"BFPPStrategy: {error}") from None
+        if config.microbatch_group_size is not None and "microbatch_group_size" not in kind.options:
+            raise ValueError(
+                "BFPPStrategy: `microbatch_group_size` sets the group size of schedule='depth_first'"
+                f" (Megatron's interleaved order); it has no meaning for schedule={kind.name!r}."
+            )
+        if config.tensor_parallel_size > 1 and not self.tensor_parallel:
+            raise ValueError(
+                f"BFPPStrategy: schedule={kind.name!r} with tensor_parallel_size={config.tensor_parallel_size} is not"
+                " supported; use schedule='breadth_first' with tensor parallelism."
+            )
+
+    def resolve_mesh(self, config: PipelineConfig, world_size: int) -> MeshShape | None:
+        """A mesh this schedule fixes itself (None: the pipeline and data-parallel sizes as the arguments say)."""
+        return None
+
+    def default_stages_per_rank(self, kind: ScheduleKind, p: int, num_layers: int) -> int:
+        """``stages_per_rank="auto"``: two stages per rank when the model has the layers, else one."""
+        if kind.stages_per_rank_choices is not None:
+            return kind.stages_per_rank_choices[0]
+        return 2 if num_layers >= 2 * p else 1
+
+    def stages_per_rank_for(self, config: PipelineConfig, mesh: MeshShape, num_layers: int) -> int:
+        p = mesh.pipeline_parallel_size
+        if isinstance(config.partition, tuple):
+            return len(config.partition) // p
+        if config.stages_per_rank == AUTO:
+            return self.default_stages_per_rank(config.kind, p, num_layers)
+        return config.stages_per_rank  # type: ignore[return-value]
+
+    def default_microbatches(self, mesh: MeshShape) -> int:
+        """``num_microbatches="auto"``: as many as pipeline ranks, the fewest that keep every rank busy."""
+        return mesh.pipeline_parallel_size
+
+    def too_few_layers(self, num_layers: int, p: int, v: int) -> str:
+        return (
+            f"BFPPStrategy: the module's `pipeline_layers()` returns {num_layers} layers, fewer than the"
+            f" {p * v} stages requested (pipeline_parallel_size={p} × stages_per_rank={v}); lower"
+            " `stages_per_rank` or `pipeline_parallel_size`, or split the model into more layers."
+        )
+
+
+#: ``config_rules(name)``: the configuration rules of the schedule called ``name``, its own or the defaults
+config_rules: ByName[ConfigRules] = ByName("configuration rules", ConfigRules())
+#: ``register_config_rules(name, rules)``: make ``rules`` those of the schedule called ``name`` (once per name)
+register_config_rules = config_rules.register

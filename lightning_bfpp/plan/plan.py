@@ -18,6 +18,7 @@ from lightning_bfpp.plan.actions import Schedule, validate
 from lightning_bfpp.plan.mesh import MeshShape
 from lightning_bfpp.plan.placement import StagePlacement
 from lightning_bfpp.plan.schedules import ScheduleKind, get_schedule
+from lightning_bfpp.plan.schedules.base import ScheduleOptions
 
 HYBRID_SHARD = "hybrid_shard"
 
@@ -30,8 +31,11 @@ class Plan:
     ``stage_layer_counts`` cuts the layers (None, in the planner: balanced by parameter bytes when simulated);
     ``layer_names`` are the layers' names in the module (empty in the planner), so that checkpoints, logs and
     errors keep the module's own names whatever the layout. ``microbatch_size`` matters to the planner only (the
-    engine splits whatever batch comes); ``stagger`` is a what-if of weight passing's model the runtime does not
-    run. ``shard_size`` is ``hybrid_shard``'s data-parallel ranks per node, where the mesh fixes it.
+    engine splits whatever batch comes). ``shard_size`` is ``hybrid_shard``'s data-parallel ranks per node, where
+    the mesh fixes it. ``options`` holds what only the plan's kind reads, an instance of its
+    :attr:`~lightning_bfpp.plan.schedules.base.ScheduleKind.plan_options` (weight passing's ``stagger``, a what-if
+    of its model the runtime does not run); None where they are the kind's defaults (a mapping, as read back from
+    JSON, is made the kind's type).
     """
 
     schedule: str
@@ -45,16 +49,18 @@ class Plan:
     mesh_order: str = "data_pipeline"
     stage_layer_counts: tuple[int, ...] | None = None
     prefetch_stages: int = 1
-    stagger: bool = False
     tensor_parallel_size: int = 1
     shard_size: int | None = None
     layer_names: tuple[str, ...] = ()
+    options: ScheduleOptions | None = None
 
     def __post_init__(self) -> None:
         for name in ("stage_layer_counts", "layer_names"):  # as read back from JSON
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
+        if self.options is not None:
+            object.__setattr__(self, "options", self._kind_options(self.options))
         counts = self.stage_layer_counts
         if counts is None:
             if self.layer_names:
@@ -66,6 +72,17 @@ class Plan:
             raise ValueError("every stage needs at least one layer")
         if self.layer_names and sum(counts) != len(self.layer_names):
             raise ValueError("stage_layer_counts must add up to the number of layers")
+
+    def _kind_options(self, options: object) -> ScheduleOptions | None:
+        """``options`` as the kind's own type, None where they are its defaults."""
+        cls = self.kind.plan_options
+        if cls is None:
+            raise ValueError(f"schedule={self.schedule!r} takes no plan options, got {options!r}")
+        if isinstance(options, dict):
+            options = cls(**options)
+        if not isinstance(options, cls):
+            raise ValueError(f"schedule={self.schedule!r} takes {cls.__name__} as its options, got {options!r}")
+        return None if options == cls() else options
 
     # -- the kind and its schedule ---------------------------------------------------------------------
 

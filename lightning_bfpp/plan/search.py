@@ -2,19 +2,20 @@
 
 For every pipeline size ``p`` dividing the device count (``dp = devices / p``), every split of the
 per-replica batch into ``m`` micro-batches, every registered schedule (:mod:`lightning_bfpp.plan.schedules`),
-what its kind varies (stages per rank ``v`` with ``p·v`` at most the number of layers; depth-first's group sizes
-``N``), every sharding and mesh order, the plan is either marked infeasible with the reason (the kind's, or the
-machine's), or simulated with the kind's cost model. Feasible plans are ranked by predicted step time: the
+what its planner model varies (:class:`~lightning_bfpp.plan.simulate.PlannerModel`: stages per rank ``v`` with
+``p·v`` at most the number of layers; depth-first's group sizes ``N``; a kind's plan options), every sharding and
+mesh order, the plan is either marked infeasible with the reason (the model's, or the machine's), or simulated
+with the model's cost model. Feasible plans are ranked by predicted step time: the
 global batch is fixed, so that is throughput; a plan over the cluster's memory is infeasible, so with a memory
 budget the first is the fastest that fits.
 
 Besides the runtime's shardings, the default space holds ``sharding="hybrid_shard"`` (shard inside a node,
 replicate across nodes; left out where a plan's data-parallel group lies inside one node, where it is
-``full_shard``, unless ``full_shard`` is not a candidate). A kind that fixes sharding itself (weight passing:
-``ScheduleKind.sharded`` false) gets one candidate per layout, whatever the space's shardings and mesh orders.
+``full_shard``, unless ``full_shard`` is not a candidate). A schedule that fixes sharding itself (weight passing:
+``PlannerModel.sharded`` false) gets one candidate per layout, whatever the space's shardings and mesh orders.
 ``hybrid_shard`` is infeasible where the strategy refuses it: data-parallel ranks spread unevenly over nodes, or
-one per node. Weight passing's node stagger, which the runtime does not implement, is searched only when
-``weight_passing_stagger`` asks for it.
+one per node. A kind's plan options other than its defaults (weight passing's node stagger, which the runtime
+does not implement) are searched only where ``SearchSpace.options`` asks for them.
 """
 
 from __future__ import annotations
@@ -23,35 +24,23 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from lightning_bfpp.plan.cluster import MESH_ORDERS, Cluster, global_rank, tensor_groups_as_devices
-from lightning_bfpp.plan.config import SHARDINGS
+from lightning_bfpp.plan.cluster import Cluster, global_rank, tensor_groups_as_devices
+from lightning_bfpp.plan.config import SHARDINGS, config_rules
 from lightning_bfpp.plan.costs import ModelProfile
 from lightning_bfpp.plan.plan import HYBRID_SHARD, Plan
 from lightning_bfpp.plan.schedules import get_schedule, schedule_names
-from lightning_bfpp.plan.simulate import Prediction, simulate
+from lightning_bfpp.plan.simulate import Prediction, planner_model, simulate
+from lightning_bfpp.plan.space import SearchSpace
 
-# what the planner models: every registered schedule, and every sharding
-PLAN_SCHEDULES: tuple[str, ...] = schedule_names()
+# what the planner models: every sharding, and every registered schedule (``PLAN_SCHEDULES``, read from the
+# registry when asked for, not when this module is imported)
 PLAN_SHARDINGS: tuple[str, ...] = SHARDINGS
 
 
-@dataclass(frozen=True)
-class SearchSpace:
-    schedules: tuple[str, ...] = PLAN_SCHEDULES
-    shardings: tuple[str, ...] = PLAN_SHARDINGS
-    mesh_orders: tuple[str, ...] = MESH_ORDERS
-    pipeline_sizes: tuple[int, ...] | None = None  # None: every divisor of the device count
-    stages_per_rank: tuple[int, ...] = (1, 2, 4, 8)
-    num_microbatches: tuple[int, ...] | None = None  # None: powers of two dividing the per-replica batch
-    # depth-first group sizes: "all" valid N in {p, 2p, 4p, m}, or "pipeline" (N = p, Megatron's default)
-    group_sizes: str = "all"
-    max_actions_per_rank: int = 4096  # keeps each simulation fast; larger configurations are skipped
-    # weight passing with the node stagger: (False,) the runtime's; (False, True) adds the what-if
-    weight_passing_stagger: tuple[bool, ...] = (False,)
-    # tensor-parallel group sizes to consider (each must divide a node's devices); weight passing only at 1
-    tensor_parallel_sizes: tuple[int, ...] = (1,)
-    # stages whose weights are gathered ahead (the strategy's prefetch_stages), for every plan
-    prefetch_stages: int = 1
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name == "PLAN_SCHEDULES":
+        return schedule_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -101,15 +90,16 @@ def _configurations(
                 continue
             size = per_replica // m
             for kind in kinds:
-                if t > 1 and not kind.tensor_parallel:
+                if t > 1 and not config_rules(kind.name).tensor_parallel:
                     continue
-                for fields in kind.search_fields(p, dp, m, space):
-                    if not kind.sharded:
+                model = planner_model(kind.name)
+                for fields in model.search_fields(kind, p, dp, m, space):
+                    if not model.sharded:
                         plan = Plan(
                             kind.name, p, dp, num_microbatches=m, microbatch_size=size,
                             prefetch_stages=space.prefetch_stages, **fields,
                         )  # fmt: skip
-                        yield plan, kind.infeasible(plan, profile, cluster, space)
+                        yield plan, model.infeasible(plan, profile, cluster, space)
                         continue
                     for sharding in space.shardings:
                         if dp == 1 and sharding != space.shardings[0]:
@@ -121,7 +111,7 @@ def _configurations(
                                 mesh_order=order, tensor_parallel_size=t, prefetch_stages=space.prefetch_stages,
                                 **fields,
                             )  # fmt: skip
-                            reason = kind.infeasible(plan, profile, cluster, space)
+                            reason = model.infeasible(plan, profile, cluster, space)
                             if sharding == HYBRID_SHARD:
                                 hybrid = _hybrid_reason(cluster, p, dp, order)
                                 if hybrid == _IN_ONE_NODE and "full_shard" in space.shardings:
@@ -219,10 +209,11 @@ def format_table(candidates: Sequence[Candidate], top: int = 20, infeasible: int
     rejected = [c for c in candidates if c.infeasible is not None][:infeasible]
     for i, c in enumerate([*feasible, *rejected], start=1):
         cfg, pred = c.config, c.prediction
-        fixed = not cfg.kind.sharded  # weight passing: chunk owners instead of sharding, no mesh order
+        fixed = not planner_model(cfg.schedule).sharded  # weight passing: chunk owners instead of sharding
+        options = cfg.options.describe() if cfg.options is not None else ""
         cells = [
             str(i) if c.infeasible is None else "–",
-            cfg.schedule + (" (staggered)" if cfg.stagger else ""),
+            cfg.schedule + (f" ({options})" if options else ""),
             str(cfg.pipeline_parallel_size),
             str(cfg.data_parallel_size),
             *([str(cfg.tensor_parallel_size)] if tensor else []),

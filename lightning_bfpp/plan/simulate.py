@@ -1,8 +1,10 @@
 """Simulate one training step of a configuration as an event timeline. Pure.
 
-:func:`simulate` asks the plan's schedule kind for its cost model; this module is the one of every activation
-pipeline. It executes the very action lists the runtime executes (:meth:`lightning_bfpp.plan.plan.Plan.lowered`),
-rank by rank, on the ranks the kind's placement gives each stage, with this model of a device:
+:func:`simulate` asks the plan's schedule for its :class:`PlannerModel` (its cost model, what a search varies
+for it and refuses), registered by the schedule's name (:func:`register_planner_model`, from the schedule's own
+module); a schedule that registers none gets the default, this module's model of every activation pipeline. It
+executes the very action lists the runtime executes (:meth:`lightning_bfpp.plan.plan.Plan.lowered`), rank by rank,
+on the ranks the kind's placement gives each stage, with this model of a device:
 
 - compute (a stage's forward or backward of a micro-batch) runs in list order, one at a time, and waits
   for its input (the neighbour's activation or gradient) and for the stage's weights to be gathered; a
@@ -41,8 +43,8 @@ rank as much as before.
 ``sharding="hybrid_shard"`` runs ``full_shard``'s action lists with the collectives of
 :mod:`~lightning_bfpp.plan.cluster`'s hybrid model (gathers and reduce-scatters inside a node, an all-reduce
 of each shard across nodes) and holds ``1/n_s`` of a stage's state instead of ``1/dp``.
-``schedule="weight_passing"`` has no activation pipeline; its kind (:mod:`lightning_bfpp.plan.schedules.weight_passing`)
-simulates it.
+``schedule="weight_passing"`` has no activation pipeline; its planner model
+(:mod:`lightning_bfpp.plan.schedules.weight_passing`) simulates it.
 
 It returns the step time, the timeline (the same spans as measured traces, so both draw alike), the time
 each rank waited for its neighbours, peak memory per device (and each rank's peak of activations alone) and the
@@ -52,16 +54,20 @@ bytes each device moved.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_bfpp.plan.actions import REDUCE_GRAD, RESHARD, UNSHARD, WAIT_REDUCE_GRAD, Action, B, F, I, W
 from lightning_bfpp.plan.cluster import Cluster, Links, links, tensor_all_reduce_s, tensor_groups_as_devices
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, balanced_counts, stage_costs
+from lightning_bfpp.plan.schedules import ByName
 from lightning_bfpp.plan.timeline import Span
 
 if TYPE_CHECKING:
     from lightning_bfpp.plan.plan import Plan
+    from lightning_bfpp.plan.schedules.base import ScheduleKind
+    from lightning_bfpp.plan.space import SearchSpace
 
 HYBRID_SHARD = "hybrid_shard"
 
@@ -94,9 +100,44 @@ class Prediction:
 
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
-    """Predict one training step of ``plan`` with its schedule kind's cost model (raises ``ValueError`` if the
+    """Predict one training step of ``plan`` with its schedule's cost model (raises ``ValueError`` if the
     schedule rejects it)."""
-    return plan.kind.simulate(plan, profile, cluster)
+    return planner_model(plan.schedule).simulate(plan, profile, cluster)
+
+
+class PlannerModel:
+    """What the planner needs of a schedule: its cost model, the plan fields a search varies for it, and what it
+    refuses. The defaults here are those of the activation pipelines; a schedule overrides what differs and
+    registers an instance (:func:`register_planner_model`)."""
+
+    #: whether a search varies sharding and mesh order for it (weight passing fixes both)
+    sharded: bool = True
+
+    def simulate(self, plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
+        """Predict one training step of ``plan`` (raises ``ValueError`` if the schedule rejects it)."""
+        return simulate_pipeline(plan, profile, cluster)
+
+    def search_fields(
+        self, kind: ScheduleKind, p: int, dp: int, m: int, space: SearchSpace
+    ) -> Iterator[dict[str, Any]]:
+        """The plan fields a search varies for ``kind`` at one (p, dp, m): stages per rank and options."""
+        for v in space.stages_per_rank:
+            if kind.stages_per_rank_choices is None or v in kind.stages_per_rank_choices:
+                yield {"stages_per_rank": v}
+
+    def infeasible(self, plan: Plan, profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> str | None:
+        """Why the planner cannot run ``plan`` (or None)."""
+        if plan.num_stages > profile.num_layers:
+            return f"{plan.num_stages} stages > {profile.num_layers} layers"
+        if 2 * plan.stages_per_rank * plan.num_microbatches > space.max_actions_per_rank:
+            return "too many actions to simulate"
+        return None
+
+
+#: ``planner_model(name)``: the planner's model of the schedule called ``name``, its own or the activation pipelines'
+planner_model: ByName[PlannerModel] = ByName("planner model", PlannerModel())
+#: ``register_planner_model(name, model)``: make ``model`` that of the schedule called ``name`` (once per name)
+register_planner_model = planner_model.register
 
 
 class _Rank:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
@@ -185,14 +184,13 @@ def test_prediction_writer_sees_each_replicas_batches_with_indices(results):
     ],
     ids=["registered-name", "class-path"],
 )
-def test_lightning_cli(strategy_args, tmp_path):
+def test_lightning_cli(strategy_args, tmp_path, script_env):
     cmd = [
         sys.executable, "examples/cli.py", "fit", "--trainer.accelerator=cpu", "--trainer.devices=2",
         *strategy_args, "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}", "--model.layers=4", "--model.dim=32", "--data.batch_size=8",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=script_env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert "BFPPStrategy: pipeline_parallel_size=2" in output and "`max_steps=3` reached" in output

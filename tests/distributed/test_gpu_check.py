@@ -4,7 +4,6 @@ run on the CPU at small sizes so that it never rots (a GPU runs it with ``--devi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,9 +14,8 @@ from tests.distributed.harness import REPO
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
-def test_every_check_passes_on_the_cpu_and_every_schedule_is_measured(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def test_every_check_passes_on_the_cpu_and_every_schedule_is_measured(tmp_path, script_env):
+    env = {**script_env, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_bfpp.adapter.strategy import BFPPStrategy
 from lightning_bfpp.measure.calibrate import run_emulated_many
 from lightning_bfpp.measure.emulated import EmulatedModel
 from lightning_bfpp.plan import Cluster, Plan, simulate, uniform
@@ -40,7 +41,7 @@ RUNS = [
 @pytest.fixture(scope="module")
 def measured():
     """Each run's median step (s), by its (configuration, model)."""
-    return dict(zip(RUNS, run_emulated_many(RUNS, 5, 4), strict=True))
+    return dict(zip(RUNS, run_emulated_many(RUNS, 5, 4, strategy=BFPPStrategy), strict=True))
 
 
 def test_breadth_first_speedup_over_1f1b_is_predicted(measured):

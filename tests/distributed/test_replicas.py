@@ -217,9 +217,9 @@ def _fold(initial: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> dict[
 
 
 def test_running_statistics_follow_their_chunk_under_weight_passing(launched):
-    """The semantics documented in lightning_bfpp.engine.weight_passing: a chunk's buffers are its owner's, updated by
-    the owner's forwards (once per micro-batch, in order; not again by the backward's recomputation), and every
-    rank computes and evaluates with them. One device would count every rank's micro-batches."""
+    """The semantics documented in lightning_bfpp.engine.runners.weight_passing: a chunk's buffers are its owner's,
+    updated by the owner's forwards (once per micro-batch, in order; not again by the backward's recomputation),
+    and every rank computes and evaluates with them. One device would count every rank's micro-batches."""
     results = launched[1]
     setup, end = states(launched, BATCH_NORM.name, "setup"), states(launched, BATCH_NORM.name, "end")
     final, inputs = _one_device_microbatches(BATCH_NORM)

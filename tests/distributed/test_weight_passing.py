@@ -1,4 +1,5 @@
-"""Weight passing (``schedule="weight_passing"``, lightning_bfpp.engine.weight_passing) equals one-device training.
+"""Weight passing (``schedule="weight_passing"``, lightning_bfpp.engine.runners.weight_passing) equals one-device
+training.
 
 Nodes are emulated on this machine with ``processes_per_node``: 2 nodes × 2, 3 nodes × 2 and 2 nodes × 4
 processes, and one process alone (which sends nothing). Per layout one launch runs:

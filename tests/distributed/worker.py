@@ -185,7 +185,7 @@ class EventLog:
             ("all_gather_into_tensor", (0, "output_tensor")),
             ("reduce_scatter_single", (1, "input")),
             ("reduce_scatter_tensor", (1, "input")),
-            # weight passing's transfers (lightning_bfpp.engine.weight_passing): the chunk or gradient buffer
+            # weight passing's transfers (lightning_bfpp.engine.runners.weight_passing): the chunk or gradient buffer
             ("broadcast", (0, "tensor")),
             ("reduce", (0, "tensor")),
             ("isend", (0, "tensor")),

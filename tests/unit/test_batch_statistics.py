@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_bfpp.engine.build import RUNNERS
 from lightning_bfpp.engine.layers import batch_statistics_layers, check_no_collective_layers
+from lightning_bfpp.engine.runners import get_runner
 
 
 class Custom(nn.BatchNorm1d):
@@ -38,7 +38,7 @@ def test_batch_and_instance_norms_with_running_statistics_are_found():
 
 def test_the_warning_says_what_differs_and_what_to_use_instead():
     found = batch_statistics_layers(layers())
-    text = RUNNERS["stages"].statistics_warning(found, 4, 1)
+    text = get_runner("stages").statistics_warning(found, 4, 1)
     assert text is not None
     assert "`blocks.0.1` (BatchNorm1d), `blocks.1.1` (BatchNorm2d), `blocks.2.0` (InstanceNorm1d) and 2 more" in text
     assert "num_microbatches=4 per replica" in text and "not the whole batch's" in text
@@ -46,18 +46,18 @@ def test_the_warning_says_what_differs_and_what_to_use_instead():
     for alternative in ("LayerNorm or GroupNorm", "num_microbatches=1", "SyncBatchNorm is not supported"):
         assert alternative in text
     assert "replica keeps its own running statistics" not in text and "chunk owner" not in text
-    replicas = RUNNERS["stages"].statistics_warning(found, 1, 2)
+    replicas = get_runner("stages").statistics_warning(found, 1, 2)
     assert replicas is not None and "replica keeps its own running statistics" in replicas
     assert "one micro-batch" not in replicas
-    owners = RUNNERS["weight_passing"].statistics_warning(found, 2, 4)
+    owners = get_runner("weight_passing").statistics_warning(found, 2, 4)
     assert owners is not None and "chunk owner's" in owners and "keeps its own" not in owners
 
 
 def test_no_warning_where_nothing_differs_from_ddp():
     found = batch_statistics_layers(layers())
-    assert RUNNERS["stages"].statistics_warning(found, 1, 1) is None  # the whole batch, one copy
-    assert RUNNERS["weight_passing"].statistics_warning(found, 1, 4) is None  # per replica, one owner's
-    assert RUNNERS["stages"].statistics_warning([], 8, 4) is None
+    assert get_runner("stages").statistics_warning(found, 1, 1) is None  # the whole batch, one copy
+    assert get_runner("weight_passing").statistics_warning(found, 1, 4) is None  # per replica, one owner's
+    assert get_runner("stages").statistics_warning([], 8, 4) is None
 
 
 def test_sync_batch_norm_is_refused():

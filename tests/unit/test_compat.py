@@ -333,7 +333,7 @@ def test_lightning_internals():
     _lightning_compat.set_skip_backward(trainer, False)
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    assert _compat._METADATA_FILENAME == _METADATA_FILENAME  # a literal in _compat, so checkpoint.py needs no Lightning
+    assert _compat._METADATA_FILENAME == _METADATA_FILENAME  # a literal in _compat, so checkpoint/ needs no Lightning
     assert not hasattr(_compat, "set_skip_backward")  # Lightning's names live in _lightning_compat only
 
 

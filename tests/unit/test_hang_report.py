@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed import harness
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]  # forks a launch and kills it
 
 # the worker's start (fork its other local ranks, then register the dump in each), then a "hang" in each rank
 HANGING = textwrap.dedent(

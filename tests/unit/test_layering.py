@@ -1,6 +1,7 @@
 """Module hygiene: the engine half imports without Lightning, and drawing changes nothing process-wide.
 
-Only the adapter modules may import Lightning.
+Only the adapter modules may import Lightning, and ``measure/`` imports nothing above the engine (what it needs
+from above, the step's capture and the strategy to train with, it takes as arguments).
 
 Checked in a fresh interpreter whose import system refuses ``lightning`` (and its old names and
 torchmetrics): the package itself imports (without the strategy, which needs Lightning), then every engine
@@ -40,6 +41,7 @@ def _path(module: str) -> Path:
 
 ENGINE = _modules("engine")
 PLAN = _modules("plan")
+MEASURE = _modules("measure")
 
 _SCRIPT = """
 import importlib, importlib.abc, sys
@@ -84,6 +86,7 @@ def _import_blocked(*modules: str) -> subprocess.CompletedProcess:
 
 def test_engine_modules_import_without_lightning():
     assert len(ENGINE) >= 20 and "lightning_bfpp.engine.pipeline" in ENGINE
+    assert {"lightning_bfpp.engine.checkpoint", "lightning_bfpp.engine.checkpoint.loading"} <= set(ENGINE)  # a package
     proc = _import_blocked(*ENGINE)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
@@ -124,13 +127,14 @@ def _imports_outside_planning(path: Path) -> list[str]:
     return sorted({n for n in names if any(n == b or n.startswith(b + ".") for b in _NOT_IN_PLANNING + _LAYERS_ABOVE)})
 
 
-def _import_graph(modules: list[str]) -> dict[str, set[str]]:
+def _import_graph(modules: list[str], *, typing: bool = False) -> dict[str, set[str]]:
     """Which of ``modules`` each imports when it runs (a submodule's own parent package not counted: Python
-    initialises it first, whatever the submodule imports)."""
+    initialises it first, whatever the submodule imports); ``typing=True`` counts those under ``if TYPE_CHECKING:``
+    too, which a type checker and a reader follow."""
     known = set(modules)
     graph: dict[str, set[str]] = {}
     for module in modules:
-        targets = {n for n in _imported_names(_path(module), typing_only=False) if n in known}
+        targets = {n for n in _imported_names(_path(module), typing_only=typing) if n in known}
         graph[module] = {t for t in targets if t != module and not module.startswith(t + ".")}
     return graph
 
@@ -159,7 +163,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_planning_modules_use_no_process_groups_lightning_or_engine():
     """Partition, schedules and the planner are pure: unit-tested without processes, usable offline. (The
-    command line, ``plan/__main__.py``, imports the measuring code when asked to measure.)"""
+    command line, ``plan/__main__.py``, imports the measuring code when asked to measure, and what that takes from
+    the adapter: the step's capture, the strategy.)"""
     assert {"lightning_bfpp.plan.actions", "lightning_bfpp.plan.simulate", "lightning_bfpp.plan.schedules"} <= set(PLAN)
     assert "lightning_bfpp.plan.schedules.zero_bubble" in PLAN
     found = {m: _imports_outside_planning(_path(m)) for m in PLAN}
@@ -176,9 +181,127 @@ def test_planning_imports_form_no_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def test_planning_types_form_no_circle_either():
+    """Counting the imports under ``if TYPE_CHECKING:`` too, ``plan/`` is layered: the schedule kinds (what the
+    runtime needs) at the bottom, the plan above them, the configuration with its rules, the planner's models and
+    search above that, each schedule module that registers rules of its own above what it registers into."""
+    graph = _import_graph(PLAN, typing=True)
+    assert _cycle(graph) is None, _cycle(graph)
+    # a circle made of type-only imports is found
+    typing_only = _import_graph(PLAN, typing=False)
+    assert all(graph[m] >= typing_only[m] for m in PLAN)
+
+
+def test_the_schedule_kind_knows_no_configuration_search_or_simulation():
+    """``schedules/base.py`` (what a kind is) and the registry import, even for types, only the action lists and
+    the placements: a kind reads a plan through its own protocol."""
+    package_imports = {
+        module: {n for n in _imported_names(_path(module)) if n.startswith("lightning_bfpp.") and n in set(PLAN)}
+        for module in ("lightning_bfpp.plan.schedules.base", "lightning_bfpp.plan.schedules")
+    }
+    assert package_imports["lightning_bfpp.plan.schedules.base"] == {
+        "lightning_bfpp.plan.actions",
+        "lightning_bfpp.plan.placement",
+    }
+    assert package_imports["lightning_bfpp.plan.schedules"] <= {
+        "lightning_bfpp.plan.actions",
+        "lightning_bfpp.plan.schedules.base",
+    }
+
+
+def _reads_at_import(path: Path, names: tuple[str, ...]) -> list[str]:
+    """The calls of ``names`` a module makes when imported (at module or class level; not inside a function)."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in names:
+                found.append(f"{name} (line {node.lineno})")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_no_planning_module_reads_the_schedule_registry_when_imported(tmp_path):
+    """The built-in kinds register themselves as :mod:`lightning_bfpp.plan` imports their modules, after the rest
+    of ``plan/``: a module reading the registry at import (e.g. a default of every registered schedule) would see
+    it incomplete, so each reads it when called."""
+    readers = ("schedule_names", "get_schedule", "planner_model", "config_rules")
+    found = {m: _reads_at_import(_path(m), readers) for m in PLAN}
+    assert not any(found.values()), {m: calls for m, calls in found.items() if calls}
+    assert _reads_at_import(PACKAGE / "plan" / "__init__.py", readers) == []
+    module = tmp_path / "module.py"  # the check finds a read where there is one
+    module.write_text("NAMES = schedule_names()\n\n\ndef later():\n    return get_schedule('x')\n")
+    assert _reads_at_import(module, readers) == ["schedule_names (line 1)"]
+
+
 def test_the_planning_check_can_fail():
     assert _imports_outside_planning(PACKAGE / "engine" / "sharding.py")  # torch.distributed
     assert _imports_outside_planning(PACKAGE / "adapter" / "strategy.py")  # lightning, the engine
+
+
+# what ``measure/`` may import of this package: the layers below it, and itself
+_BELOW_MEASURING = ("lightning_bfpp.engine", "lightning_bfpp.plan", "lightning_bfpp.measure")
+
+
+def _imports_above_engine(path: Path) -> list[str]:
+    """What a module's import statements name of this package above the engine (the adapter, the integrations,
+    the package root and its own modules), at any depth (lazy imports in functions too), and its relative imports
+    (which name no package)."""
+    names = _imported_names(path)
+    above = {
+        n
+        for n in names
+        if (n == "lightning_bfpp" or n.startswith("lightning_bfpp."))
+        and not any(n == b or n.startswith(b + ".") for b in _BELOW_MEASURING)
+    }
+    relative = {
+        "." * node.level + (node.module or "")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level
+    }
+    return sorted(above | relative)
+
+
+def test_measuring_modules_import_nothing_above_the_engine():
+    """``measure/`` sits on the engine and the planner: it takes what it needs from above as arguments (the step's
+    capture from the adapter, the strategy its emulated jobs train with), so no module of it names the adapter,
+    the integrations or the package root, not even inside a function."""
+    assert {"lightning_bfpp.measure.profile", "lightning_bfpp.measure.calibrate"} <= set(MEASURE)
+    assert {"lightning_bfpp.measure.fitting", "lightning_bfpp.measure.emulated_jobs"} <= set(MEASURE)
+    found = {m: _imports_above_engine(_path(m)) for m in MEASURE}
+    assert not any(found.values()), {m: names for m, names in found.items() if names}
+
+
+def test_the_calibrations_fitting_is_pure():
+    """The calibration's fits run without processes or torch, as the planner's code does."""
+    path = _path("lightning_bfpp.measure.fitting")
+    assert _imports_outside_planning(path) == []
+    assert not [n for n in _imported_names(path) if n == "torch" or n.startswith("torch.")]
+
+
+def test_the_measuring_check_can_fail(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text(
+        "from lightning_bfpp.engine import layers\n"
+        "import lightning_bfpp.integrations.huggingface\n"
+        "from . import sibling\n\n\n"
+        "def train():\n"
+        "    from lightning_bfpp import BFPPStrategy\n"
+    )
+    assert _imports_above_engine(module) == [
+        ".",
+        "lightning_bfpp",
+        "lightning_bfpp.BFPPStrategy",
+        "lightning_bfpp.integrations.huggingface",
+    ]
+    assert _imports_above_engine(PACKAGE / "adapter" / "auto.py")  # the adapter's own modules
 
 
 _DRAW = """

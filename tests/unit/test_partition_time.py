@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from lightning_bfpp.adapter.user_step import capture_model_input
+from lightning_bfpp.adapter.user_step import capture_model_input, training_step_input
 from lightning_bfpp.engine.layers import layer_weights, pipeline_layers
 from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan.config import PipelineConfig
@@ -101,7 +101,7 @@ def test_time_partition_balances_compute_where_parameters_do_not():
         by_params = PipelineConfig(partition="parameters", stages_per_rank=1).resolve_plan(mesh, weights)
         attempts = []
         for _ in range(3):
-            profile = profile_module(module, batch, repeats=5)
+            profile = profile_module(module, batch, training_step_input, repeats=5)
             times = [layer.forward_s + layer.backward_s for layer in profile.layers]
             by_time = PipelineConfig(partition="time", stages_per_rank=1).resolve_plan(mesh, weights, times)
             spread = {"counts": by_time.stage_layer_counts}
@@ -131,7 +131,8 @@ def test_a_meta_model_is_profiled_one_layer_of_each_kind_without_being_materiali
     for name, layer in pipeline_layers(module):
         layer.register_forward_pre_hook(lambda m, args, name=name: calls.append(name))
     ids = torch.randint(0, VOCAB, (2, 16))
-    profile = profile_module(module, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, repeats=1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    profile = profile_module(module, batch, training_step_input, repeats=1)
     assert all(t.is_meta for t in module.state_dict().values())  # the module itself: untouched
     assert set(calls) == {"embed", "blocks.0", "head"}  # the copies (which keep the hooks) of one layer per kind
     blocks = profile.layers[1:-1]

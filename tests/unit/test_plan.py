@@ -215,6 +215,10 @@ def test_runtime_costs_are_weighted_by_the_actions_on_the_critical_path():
         assert weights["step_weight"] == pytest.approx(1.0)
 
 
+class _Strategy:
+    """Stands for the strategy the runtime's calibration trains with (``BFPPStrategy``), which it is given."""
+
+
 def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(monkeypatch):
     from lightning_bfpp.measure import calibrate as calibration
 
@@ -223,14 +227,15 @@ def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(mon
     # the second round of the many-action layout was disturbed (other work on the machine): 1 s instead of 0.3
     steps = {few.num_microbatches: [0.10, 0.11, 0.12], many.num_microbatches: [0.30, 1.00, 0.32]}
 
-    def run_emulated(config, model, steps_, devices):
+    def run_emulated(config, model, steps_, devices, strategy):
+        assert strategy is _Strategy  # what the calibration was given to train with
         order.append(config.num_microbatches)
         return steps[config.num_microbatches][order.count(config.num_microbatches) - 1]
 
     monkeypatch.setattr(calibration, "run_emulated", run_emulated)
     links = Cluster(num_devices=2, devices_per_node=2, memory_bytes=2**30, intra_node_bandwidth=1e9,
                     inter_node_bandwidth=1e9)  # fmt: skip
-    cluster, rows = calibration.measure_runtime(2, links, steps=3, rounds=3, tensor=False)
+    cluster, rows = calibration.measure_runtime(2, links, steps=3, rounds=3, tensor=False, strategy=_Strategy)
     assert order == [few.num_microbatches, many.num_microbatches] * 3  # alternating, so drift reaches both
     assert [r["measured_s"] for r in rows] == [0.11, 0.32]  # the medians: the disturbed round is dropped
     assert [r["rounds_s"] for r in rows] == [steps[few.num_microbatches], steps[many.num_microbatches]]
@@ -238,7 +243,7 @@ def test_runtime_calibration_alternates_rounds_and_takes_each_layouts_median(mon
     assert all(r["action_weight"] > r["actions"] for r in rows)
     assert (cluster.action_overhead_s, cluster.step_overhead_s) == pytest.approx(calibration.fit_runtime_costs(rows))
     with pytest.raises(ValueError, match="at least one round"):
-        calibration.measure_runtime(2, links, rounds=0)
+        calibration.measure_runtime(2, links, rounds=0, strategy=_Strategy)
 
 
 def test_the_runtime_costs_range_is_their_fit_on_each_round_alone():
@@ -356,9 +361,16 @@ def test_calibrate_writes_the_cluster_and_with_timings_what_it_was_fitted_on(tmp
 
     cluster = Cluster(2, 2, 2**30, 1e9, 1e9, last_reduce_slowdown=1.5)
     timings = {"link_spread": {"reduce_bandwidth_ratio": [0.4, 0.6]}}
-    monkeypatch.setattr(calibration, "calibrate", lambda devices, group_size, runtime: (cluster, timings))
+    given: list[object] = []
+
+    def calibrate(devices, group_size, runtime, strategy):
+        given.append(strategy)
+        return cluster, timings
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
     main(["calibrate", "--devices", "2", "--no-runtime", "--out", str(tmp_path / "c.json"),
           "--timings", str(tmp_path / "t.json")])  # fmt: skip
+    assert given == [None]  # links only: nothing to train with
     assert Cluster.from_json(tmp_path / "c.json") == cluster
     assert json.loads((tmp_path / "t.json").read_text()) == timings
     assert "t.json" in capsys.readouterr().out
@@ -450,7 +462,8 @@ def test_the_runtime_calibration_runs_every_layout_in_alternating_rounds(monkeyp
     profile = uniform(16, 5e-3, 10e-3, calibration.RUNTIME_MODEL.param_bytes, 4096, optimizer_state_ratio=0.0)
     order: list[str] = []
 
-    def run_emulated(config, model, steps, devices):
+    def run_emulated(config, model, steps, devices, strategy):
+        assert strategy is _Strategy
         order.append(config.describe())
         layers = tuple(replace(layer, param_bytes=model.param_bytes, tensor_parallel_all_reduces=1)
                        for layer in profile.layers)  # fmt: skip
@@ -458,13 +471,40 @@ def test_the_runtime_calibration_runs_every_layout_in_alternating_rounds(monkeyp
 
     monkeypatch.setattr(calibration, "run_emulated", run_emulated)
     monkeypatch.setattr("lightning_bfpp.measure.profile.profile_module", lambda *args, **kwargs: profile)
-    cluster, rows = calibration.measure_runtime(4, links, steps=3, rounds=2)
+    cluster, rows = calibration.measure_runtime(4, links, steps=3, rounds=2, strategy=_Strategy)
     layouts = [*calibration.runtime_configs(4), calibration.tensor_runtime_config(4),
                *calibration.data_parallel_runtime_configs(4)]  # fmt: skip
     assert order == [config.describe() for config in layouts] * 2
     assert len(rows) == 5
     for field, value in truth.items():
         assert getattr(cluster, field) == pytest.approx(value, rel=2e-2), field
+
+
+def test_the_runtime_calibration_is_given_its_strategy_and_profiles_what_the_emulated_step_passes_on():
+    """The measuring code imports nothing above the engine: the runtime's calibration trains with the strategy it
+    is given (by its import name, in the job's processes), and profiles the emulated model on what its
+    ``training_step`` passes to ``self(...)`` without the strategy's capture."""
+    import torch
+
+    from lightning_bfpp.adapter.strategy import BFPPStrategy
+    from lightning_bfpp.adapter.user_step import training_step_input
+    from lightning_bfpp.measure import calibrate as calibration
+    from lightning_bfpp.measure import emulated_jobs
+    from lightning_bfpp.measure.emulated import EmulatedNet
+
+    with pytest.raises(ValueError, match="pass it, or runtime=False"):
+        calibration.calibrate(2)  # refused before anything is measured
+    assert emulated_jobs._imported(emulated_jobs._importable_name(BFPPStrategy)) is BFPPStrategy
+
+    class Local:
+        pass
+
+    with pytest.raises(ValueError, match="cannot be imported by name"):
+        emulated_jobs._importable_name(Local)
+    batch = (torch.randn(1, calibration.RUNTIME_MODEL.activation_numel),)
+    net = EmulatedNet(calibration.RUNTIME_MODEL)
+    ours, theirs = calibration._emulated_input(net, batch), training_step_input(net, batch)
+    assert ours[1] == theirs[1] == {} and len(ours[0]) == len(theirs[0]) == 1 and ours[0][0] is theirs[0][0]
 
 
 def test_the_runtime_calibration_recovers_a_tensor_all_reduces_cost_from_a_step():

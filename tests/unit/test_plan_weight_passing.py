@@ -1,6 +1,7 @@
 """The planner's weight passing (TawPipe) and hybrid sharding: simulated times against hand-computed ones on
 tiny cases, the bytes formulas, the memory model, and the search. Pure and fast."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -8,7 +9,8 @@ import pytest
 from lightning_bfpp.plan import Cluster, LayerCost, Plan, SearchSpace, simulate, uniform
 from lightning_bfpp.plan.cluster import hybrid_inter_node_bytes, links
 from lightning_bfpp.plan.schedules import weight_passing as wp
-from lightning_bfpp.plan.search import search, search_per_replica_batch
+from lightning_bfpp.plan.search import format_table, search, search_per_replica_batch
+from lightning_bfpp.plan.topology import NodeTopology
 
 T_F, T_B = 1.0, 2.0  # per layer and micro-batch; weight passing's backward adds a recomputed forward: 3.0,
 # but the last chunk's, whose forward kept its graph
@@ -24,12 +26,37 @@ def two_nodes(rail_bandwidth, **kwargs):
 
 
 def passing(devices, microbatches, microbatch_size=1, stagger=False):
-    return Plan("weight_passing", 1, devices, devices, microbatches, microbatch_size, stagger=stagger)
+    options = wp.WeightPassingOptions(stagger=stagger)
+    return Plan("weight_passing", 1, devices, devices, microbatches, microbatch_size, options=options)
+
+
+def test_the_stagger_is_weight_passings_own_plan_option():
+    """``Plan.options`` holds the kind's own options: None at their defaults (so such a plan equals one made
+    without), the kind's type from a mapping (a plan read back from JSON), refused for another kind."""
+    assert passing(2, 1).options is None and passing(2, 1) == Plan("weight_passing", 1, 2, 2, 1)
+    staggered = passing(2, 1, stagger=True)
+    assert staggered.options == wp.WeightPassingOptions(stagger=True)
+    assert Plan(**dataclasses.asdict(staggered)) == staggered
+    assert staggered.describe() == "weight_passing staggered chunks=2 m=1×1"
+    assert passing(2, 1).describe() == "weight_passing chunks=2 m=1×1"
+    with pytest.raises(ValueError, match="takes no plan options"):
+        Plan("breadth_first", 2, 1, 2, 2, options=wp.WeightPassingOptions(stagger=True))
+    # the search tries the stagger only where its space asks for it
+    cluster = Cluster(4, 2, 2**34, 1e11, 1e9)
+    profile = uniform(8, 1e-3, 2e-3, 2**20, 2**10, 2**10)
+    both = (wp.WeightPassingOptions(), wp.WeightPassingOptions(stagger=True))
+    for space, expected in (
+        (SearchSpace(schedules=("weight_passing",)), [None]),
+        (SearchSpace(schedules=("weight_passing",), options={"weight_passing": both}), [None, both[1]]),
+    ):
+        found = search(profile, cluster, 8, space)
+        assert sorted({c.config.options for c in found}, key=str) == sorted(expected, key=str)
+    assert "weight_passing (staggered)" in format_table(found)
 
 
 def test_chunk_owners_are_device_bound_storage():
     d, s = 3, 2  # rank (c mod D)·S + ⌊c/D⌋: local rank j of every node owns chunks jD … jD + D − 1
-    owners = [wp.chunk_owner(c, d, s) for c in range(d * s)]
+    owners = [NodeTopology(d * s, s).chunk_owner(c) for c in range(d * s)]
     assert owners == [0, 2, 4, 1, 3, 5]
     assert sorted(owners) == list(range(d * s))  # one chunk per device
 
@@ -37,13 +64,13 @@ def test_chunk_owners_are_device_bound_storage():
 def test_fetch_is_a_rail_transfer_then_a_node_broadcast():
     cluster = Cluster(6, 2, 2**40, intra_node_bandwidth=10.0, inter_node_bandwidth=0.5, latency_s=0.0,
                       inter_node_rail_bandwidth=1.0)  # fmt: skip
-    three_nodes = wp.Topology(3, 2)
+    three_nodes = NodeTopology(6, 2)
     # the owner sends one copy to each of the D − 1 = 2 other nodes (6 / 1 each), then a broadcast (6 / 10)
     assert wp.fetch_s(6, three_nodes, cluster) == pytest.approx(2 * 6 + 0.6)
     assert wp.gradient_s(6, three_nodes, cluster) == pytest.approx(12.6)
     assert wp.fetch_s(6, three_nodes, cluster, stagger=True) == pytest.approx(6 + 0.6)  # one copy per link
-    assert wp.fetch_s(6, wp.Topology(1, 2), cluster) == pytest.approx(0.6)  # one node: the broadcast only
-    assert wp.fetch_s(6, wp.Topology(3, 1), cluster) == pytest.approx(12)  # one device per node: the rail only
+    assert wp.fetch_s(6, NodeTopology(2, 2), cluster) == pytest.approx(0.6)  # one node: the broadcast only
+    assert wp.fetch_s(6, NodeTopology(3, 1), cluster) == pytest.approx(12)  # one device per node: the rail only
     slow = Cluster(6, 2, 2**40, 10.0, 0.5, latency_s=1e-3, collective_overhead_s=0.01, inter_node_rail_bandwidth=1.0)
     # latency once on the rail; overhead + (S − 1) ring steps on the broadcast
     assert wp.fetch_s(6, three_nodes, slow) == pytest.approx(1e-3 + 12 + 0.01 + 1e-3 + 0.6)
@@ -100,7 +127,7 @@ def test_the_stagger_sends_one_copy_per_link_and_overlaps_both_directions():
 
 
 def test_traffic_matches_the_formulas():
-    chunk_bytes, n, topology = [1, 2, 3, 4], 3, wp.Topology(2, 2)
+    chunk_bytes, n, topology = [1, 2, 3, 4], 3, NodeTopology(4, 2)
     moved = wp.traffic(chunk_bytes, n, topology)
     total = sum(chunk_bytes)
     # fetched F = N·Ψ − (N − 1)·Ψ_0 (chunk 0 reused from the previous backward) + N·(Ψ − Ψ_{P−1})
@@ -112,10 +139,10 @@ def test_traffic_matches_the_formulas():
     assert moved["reduce"] == n * (total - 1 - 2) == 21  # every gradient but its rail's, once per micro-batch
     # rail 1 (chunks 2 and 3): the owner of chunk 2 sends (fetched 6 + gradients 3) · 3 bytes, receives chunk 3's
     assert moved["rail"] == (6 + 3) * 3 + (3 + 3) * 4 == 51
-    one_node = wp.traffic(chunk_bytes, n, wp.Topology(1, 4))
+    one_node = wp.traffic(chunk_bytes, n, NodeTopology(4, 4))
     assert one_node["cross_node"] == one_node["rail"] == 0
     # the brief's approximations for many equal chunks: 3·N·(D−1)·Ψ across nodes, 2·N·Ψ and N·Ψ inside
-    big = wp.traffic([1.0] * 64, 8, wp.Topology(4, 16))
+    big = wp.traffic([1.0] * 64, 8, NodeTopology(64, 16))
     assert big["cross_node"] == pytest.approx(3 * 8 * 3 * 64, rel=0.02)
     assert big["broadcast"] == pytest.approx(2 * 8 * 64, rel=0.1) and big["reduce"] == pytest.approx(8 * 64, rel=0.1)
 
@@ -126,7 +153,7 @@ def test_simulated_fetches_and_bytes_are_the_formulas():
     gathers = [s for s in prediction.spans if s.kind == "gather"]
     assert len(gathers) == 3 * 4 - 2 + 3 * 3  # F = N·P − (N − 1) forwards + N·(P − 1) backwards
     assert len([s for s in prediction.spans if s.kind == "reduce"]) == 3 * 4
-    assert prediction.traffic == wp.traffic([200] * 4, 3, wp.Topology(2, 2))
+    assert prediction.traffic == wp.traffic([200] * 4, 3, NodeTopology(4, 2))
 
 
 def test_the_runtime_lowering_fetches_what_the_model_fetches():
@@ -146,7 +173,7 @@ def test_memory_owned_state_two_buffers_inputs_and_one_recomputed_chunk():
     layer = LayerCost(1.0, 2.0, param_bytes=100, output_bytes=10, saved_bytes=10, activation_bytes=50)
     costs = [layer, layer]
     # owned chunk × (2 + 6) + two weight and two gradient buffers + (chunk 1's input + its activations)
-    assert wp.memory(costs, wp.Topology(2, 1), optimizer_state_ratio=6.0) == 800 + 400 + 10 + 50
+    assert wp.memory(costs, NodeTopology(2, 1), optimizer_state_ratio=6.0) == 800 + 400 + 10 + 50
     profile = uniform(2, 1.0, 2.0, 100, 10, 10, optimizer_state_ratio=6.0)
     prediction = simulate(passing(2, 4), profile, two_nodes(1e9))
     assert prediction.peak_memory == 800 + 400 + 10 + 10  # activation_bytes defaults to saved_bytes
@@ -190,7 +217,7 @@ def test_reductions_run_at_their_own_measured_bandwidths():
                  mesh_order="data_pipeline")  # fmt: skip
     assert flat.all_gather_s(0, 100) == pytest.approx(5) and flat.reduce_scatter_s(0, 100) == pytest.approx(10)
     assert flat.all_reduce_s(0, 100) == pytest.approx(10)  # 2 · (n − 1)/n · B at the all-gather's bandwidth
-    two = wp.Topology(1, 2)  # weight passing: the node broadcast at the gather's bandwidth, the reduce at the sum's
+    two = NodeTopology(2, 2)  # weight passing: the node broadcast at the gather's bandwidth, the reduce at the sum's
     assert wp.fetch_s(100, two, cluster) == pytest.approx(1) and wp.gradient_s(100, two, cluster) == pytest.approx(2)
 
 

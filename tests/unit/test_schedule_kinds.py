@@ -1,10 +1,12 @@
 """Schedules as registered kinds: the registry, torch's two zero-bubble orders as kinds, their lowering and
-placement, and a new kind added with its own class and one registration (pure; no processes)."""
+placement, and a new kind added with its own module and one registration line (pure; no processes)."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import types
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -29,12 +31,13 @@ from lightning_bfpp.plan.actions import (
     max_resident_stages,
     validate,
 )
-from lightning_bfpp.plan.config import PipelineConfig
+from lightning_bfpp.plan.config import ConfigRules, PipelineConfig, config_rules
 from lightning_bfpp.plan.mesh import MeshShape
 from lightning_bfpp.plan.placement import LOOP, V
 from lightning_bfpp.plan.schedules import ScheduleKind, generate, get_schedule, register, schedule_names, unregister
 from lightning_bfpp.plan.schedules.base import sweeps
 from lightning_bfpp.plan.schedules.zero_bubble import interleaved_zero_bubble, zbv_zero_bubble
+from lightning_bfpp.plan.simulate import PlannerModel, planner_model
 
 
 def strings(schedule):
@@ -168,7 +171,7 @@ def test_the_simulator_sends_along_the_v_and_the_zero_bubble_orders_beat_breadth
 
 class Reversed(ScheduleKind):
     """A kind written for the test: breadth-first's sweeps with each rank's micro-batches in reverse order in the
-    backward. Its own class, one registration, and nothing else."""
+    backward. Its own class, one registration, and nothing else: no planner model, no configuration rules."""
 
     name = "reversed_test"
     summary = "breadth-first, each backward sweep in reverse micro-batch order"
@@ -185,8 +188,12 @@ def test_a_new_kind_is_its_class_and_one_registration():
     register(Reversed())
     try:
         assert "reversed_test" in schedule_names()
+        # what it does not register, the defaults say: the configuration's rules and the planner's model
+        assert type(config_rules("reversed_test")) is ConfigRules
+        assert type(planner_model("reversed_test")) is PlannerModel
         config = PipelineConfig(schedule="reversed_test", pipeline_parallel_size=2, num_microbatches=4)  # accepted
         plan = config.resolve_plan(MeshShape(2, 2), [10] * 8)
+        assert plan.stages_per_rank == 2  # the default rule: two stages per rank where the layers allow
         assert [str(a) for a in plan.compute[0][-4:]] == ["0B3", "0B2", "0B1", "0B0"]
         assert count(plan.lowered()[0], UNSHARD) == 2  # lowered like breadth-first, by the default rule
         assert generate("reversed_test", 2, 2, 4) == plan.compute
@@ -196,6 +203,28 @@ def test_a_new_kind_is_its_class_and_one_registration():
     finally:
         unregister("reversed_test")
     assert "reversed_test" not in schedule_names()
+
+
+def test_each_built_in_kind_is_its_module_and_a_registration_line():
+    """The built-in schedule modules register their kinds (and whatever configuration rules and planner model they
+    override) when imported; :mod:`lightning_bfpp.plan` imports each, once, in the order of ``schedule_names()``."""
+    plan = Path(__file__).resolve().parents[2] / "lightning_bfpp" / "plan"
+    imported = [
+        alias.name.rsplit(".", 1)[-1]
+        for node in ast.parse((plan / "__init__.py").read_text()).body
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name.startswith("lightning_bfpp.plan.schedules.")
+    ]
+    modules = {path.stem for path in (plan / "schedules").glob("*.py")} - {"__init__", "base"}
+    assert sorted(imported) == sorted(modules)
+    where = {get_schedule(name).__module__.rsplit(".", 1)[-1]: None for name in schedule_names()}
+    assert list(where) == imported
+    # weight passing overrides both; depth-first what a search varies
+    assert type(config_rules("weight_passing")).__name__ == "WeightPassingConfig"
+    assert type(planner_model("weight_passing")).__name__ == "WeightPassingModel"
+    assert type(planner_model("depth_first")).__name__ == "DepthFirstModel"
+    assert type(config_rules("depth_first")) is ConfigRules
 
 
 @pytest.mark.parametrize("name", schedule_names())
@@ -245,13 +274,14 @@ def test_the_profile_counts_what_the_input_gradient_pass_keeps_for_the_weight_pa
     """torch's ``stage_backward_input`` keeps the gradients of the outputs of a block's two linear layers for its
     weight pass: (rows·64 + rows·16) fp32 values. The first layer has no input-gradient pass; without the split
     nothing is measured."""
+    from lightning_bfpp.adapter.user_step import training_step_input
     from lightning_bfpp.measure.profile import profile_module
 
     rows = 8
-    split = profile_module(_MLP(), torch.randn(rows, 4), repeats=1)
+    split = profile_module(_MLP(), torch.randn(rows, 4), training_step_input, repeats=1)
     kept = (rows * 64 + rows * 16) * 4
     assert [layer.intermediate_grad_bytes for layer in split.layers] == [0, kept, kept]
-    plain = profile_module(_MLP(), torch.randn(rows, 4), repeats=1, split_backward=False)
+    plain = profile_module(_MLP(), torch.randn(rows, 4), training_step_input, repeats=1, split_backward=False)
     assert all(layer.intermediate_grad_bytes == 0 for layer in plain.layers)
     # it scales with the micro-batch, as activations do
     assert split.at_microbatch_size(2 * rows)[1].intermediate_grad_bytes == 2 * split.layers[1].intermediate_grad_bytes

@@ -31,6 +31,7 @@ from lightning_bfpp.plan.costs import stage_costs
 from lightning_bfpp.plan.placement import LOOP
 from lightning_bfpp.plan.schedules import generate, get_schedule, schedule_names
 from lightning_bfpp.plan.schedules.breadth_first import breadth_first, breadth_first_zb
+from lightning_bfpp.plan.schedules.weight_passing import reduce_every_visit
 
 SIZES = [(p, v, m) for p in range(1, 5) for v in range(1, 4) for m in range(1, 2 * p + 3)]
 
@@ -178,7 +179,8 @@ def test_lowering_gathers_for_every_compute_and_reduces_after_the_last_w(p, v, m
 
 def test_weight_passing_lowering_reduces_only_after_visits_with_weight_gradients():
     # as schedule='weight_passing' lowers its lists: a chunk fetched for each visit (look-ahead: the prefetch)
-    lowered = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "full_shard", 2, keep=1, reduce_every_visit=True)
+    fetched = add_sharding_actions(breadth_first_zb(1, 2, 2)[0], "full_shard", 2, keep=1, reduce_grads=False)
+    lowered = reduce_every_visit(fetched)
     assert strings(lowered) == [
         "0UNSHARD", "1UNSHARD", "0F0", "0F1", "0RESHARD", "1F0", "1F1",
         "0UNSHARD", "1I0", "1I1", "1RESHARD",  # input gradients only: nothing to reduce yet

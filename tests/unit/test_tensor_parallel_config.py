@@ -146,6 +146,7 @@ def _vocab_parallel_worker(rank: int, store_path: str, out_path: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.distributed  # two processes with a gloo group
 @pytest.mark.timeout(120)
 def test_the_vocabulary_parallel_embedding_keeps_only_its_rows_gradient(tmp_path):
     """Each of 2 tensor ranks looks up its 8 of 16 rows, and its weight gradient is those 8 rows (torch's

@@ -3,6 +3,8 @@ copies per stage, and the single-process halves of keeping them equal (local gra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -185,7 +187,7 @@ def test_a_one_device_file_loads_into_a_rank_holding_only_the_copy():
     state = {k: v for k, v in one_device.state_dict().items() if k != "head.weight"}  # as consolidated
     net = TiedNet()
     tied = _split(net, [0, 0, 1, 1], [0, 1], rank=1)
-    ckpt.check_full(ckpt.Path("x"), one_device.state_dict(), ckpt.local_shapes(net, tied.aliases), strict=False,
+    ckpt.check_full(Path("x"), one_device.state_dict(), ckpt.local_shapes(net, tied.aliases), strict=False,
                     aliases=tied.aliases)  # fmt: skip
     ckpt.load_full_weights(net, state, strict=True, aliases=tied.aliases)
     assert torch.equal(net.head.weight, torch.full((4, 4), 3.0))

@@ -1,21 +1,23 @@
 """The schedule registry: every ``schedule=`` value, each a :class:`~lightning_bfpp.plan.schedules.base.ScheduleKind`.
 
-A kind lives in its own module with its generator, placement, lowering, runner and cost model; registering it
-is one line below. ``get_schedule(name)`` is how everything else finds it: the configuration's checks, the
-plan's schedule and lowering, the simulator and search, the engine's choice of executor. As torch's
+A kind lives in its own module with its generator, placement, lowering and runner, and registers itself there
+(``register(Kind())``), with whatever planner model (:func:`~lightning_bfpp.plan.simulate.register_planner_model`)
+and configuration rules (:func:`~lightning_bfpp.plan.config.register_config_rules`) it overrides; the built-in
+modules are imported, in the order of :func:`schedule_names`, by :mod:`lightning_bfpp.plan`, which Python runs
+before any of its modules. ``get_schedule(name)`` is how everything else finds a kind: the plan's schedule and
+lowering, the configuration's checks, the simulator and search, the engine's choice of executor. As torch's
 ``get_schedule_class`` and torchtitan's schedule lookup do, but for kinds that also say how they are sharded,
-placed and timed.
+placed and run.
 """
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from lightning_bfpp.plan.actions import Schedule
-from lightning_bfpp.plan.schedules.base import ScheduleKind
-from lightning_bfpp.plan.schedules.breadth_first import BreadthFirst, BreadthFirstZeroBubble
-from lightning_bfpp.plan.schedules.depth_first import DepthFirst
-from lightning_bfpp.plan.schedules.single_stage import GPipe, OneFOneB
-from lightning_bfpp.plan.schedules.weight_passing import WeightPassing
-from lightning_bfpp.plan.schedules.zero_bubble import InterleavedZeroBubble, ZeroBubbleV
+from lightning_bfpp.plan.schedules.base import ScheduleKind, ScheduleOptions
+
+T = TypeVar("T")
 
 _REGISTRY: dict[str, ScheduleKind] = {}
 
@@ -34,16 +36,6 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
-register(BreadthFirst())
-register(BreadthFirstZeroBubble())
-register(DepthFirst())
-register(GPipe())
-register(OneFOneB())
-register(InterleavedZeroBubble())
-register(ZeroBubbleV())
-register(WeightPassing())
-
-
 def schedule_names() -> tuple[str, ...]:
     """Every registered schedule, in registration order."""
     return tuple(_REGISTRY)
@@ -55,6 +47,26 @@ def get_schedule(name: str) -> ScheduleKind:
     if kind is None:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(_REGISTRY)}")
     return kind
+
+
+class ByName(Generic[T]):
+    """What one part of the package needs of each schedule (its configuration rules, its planner model), registered
+    by the schedule's name, with a default for a schedule that registers none."""
+
+    def __init__(self, what: str, default: T) -> None:
+        self.what, self.default = what, default
+        self._registered: dict[str, T] = {}
+
+    def register(self, name: str, value: T) -> T:
+        """Make ``value`` the schedule ``name``'s (once per name)."""
+        if name in self._registered:
+            raise ValueError(f"the {self.what} of schedule {name!r} are registered already")
+        self._registered[name] = value
+        return value
+
+    def __call__(self, name: str) -> T:
+        """The schedule ``name``'s own, or the default."""
+        return self._registered.get(name, self.default)
 
 
 def generate(
@@ -70,4 +82,13 @@ def generate(
     )
 
 
-__all__ = ["ScheduleKind", "generate", "get_schedule", "register", "schedule_names", "unregister"]
+__all__ = [
+    "ByName",
+    "ScheduleKind",
+    "ScheduleOptions",
+    "generate",
+    "get_schedule",
+    "register",
+    "schedule_names",
+    "unregister",
+]

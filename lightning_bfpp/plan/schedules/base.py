@@ -1,18 +1,23 @@
-"""What a schedule kind is: the one class a new schedule subclasses. Pure.
+"""What a schedule kind is: what the runtime needs of one schedule, the class a new schedule subclasses. Pure.
 
-A kind bundles everything the package needs to know about one schedule, so that nothing else branches on a
-schedule's name:
+A kind says how its schedule runs, so that nothing else branches on a schedule's name:
 
-- **generator**: :meth:`ScheduleKind.generate`, the compute-only action lists (:mod:`lightning_bfpp.plan.actions`);
+- **generator**: :meth:`ScheduleKind.generate`, the compute-only action lists (:mod:`lightning_bfpp.plan.actions`),
+  and :meth:`ScheduleKind.evaluation`, the forwards of validation, test and predict;
 - **placement**: which rank holds which stage (:mod:`lightning_bfpp.plan.placement`);
 - **lowering**: where each stage is gathered, released and reduced under data parallelism
-  (:meth:`ScheduleKind.lower_rank`, by default :func:`~lightning_bfpp.plan.actions.add_sharding_actions`);
+  (:meth:`ScheduleKind.lower_rank` and :meth:`ScheduleKind.keep`, by default
+  :func:`~lightning_bfpp.plan.actions.add_sharding_actions`);
 - **runner**: which of the engine's executors runs the lowered lists (``"stages"``: torch's pipeline runtime
   over FSDP2-sharded stages; ``"weight_passing"``: chunks of weights travelling instead of activations);
-- **cost model**: :meth:`ScheduleKind.simulate`, by default the activation-pipeline simulator
-  (:mod:`lightning_bfpp.plan.simulate`), which executes the same lowered lists;
-- **configuration**: which knobs it takes and refuses, checked up front on every rank
-  (:meth:`ScheduleKind.check_config`), its defaults, and what a search varies for it.
+- **options**: the type of its own plan options (:attr:`ScheduleKind.plan_options`, held by ``Plan.options``),
+  and the one line naming a plan (:meth:`ScheduleKind.describe`).
+
+What the planner needs of a kind (its cost model, what a search varies, what it refuses) is a
+:class:`~lightning_bfpp.plan.simulate.PlannerModel`, and what the configuration needs (its checks, mesh and
+defaults) a :class:`~lightning_bfpp.plan.config.ConfigRules`: both registered by the kind's name beside the code
+that uses them, with defaults for kinds that register none. This module imports neither: a kind reads a plan
+through :class:`PlanView`.
 
 The registry (:mod:`lightning_bfpp.plan.schedules`) maps names to instances; ``docs/architecture.md`` walks through
 adding one.
@@ -20,20 +25,36 @@ adding one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from lightning_bfpp.plan.actions import Action, F, Kind, Schedule, add_sharding_actions
 from lightning_bfpp.plan.placement import LOOP, StagePlacement
 
-if TYPE_CHECKING:
-    from lightning_bfpp.plan.cluster import Cluster
-    from lightning_bfpp.plan.config import PipelineConfig
-    from lightning_bfpp.plan.costs import ModelProfile
-    from lightning_bfpp.plan.mesh import MeshShape
-    from lightning_bfpp.plan.plan import Plan
-    from lightning_bfpp.plan.search import SearchSpace
-    from lightning_bfpp.plan.simulate import Prediction
+
+class ScheduleOptions:
+    """A kind's own plan options (``Plan.options``): each kind that has some subclasses this as a frozen
+    dataclass whose defaults are what the runtime runs."""
+
+    def describe(self) -> str:
+        """Words naming options that differ from the defaults (in a plan's description; empty: none)."""
+        return ""
+
+
+class PlanView(Protocol):
+    """What a kind reads of a plan (:class:`lightning_bfpp.plan.plan.Plan` has it all), read only."""
+
+    schedule: str
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    stages_per_rank: int
+    num_microbatches: int
+    microbatch_size: int
+    sharding: str
+    microbatch_group_size: int | None
+    mesh_order: str
+    prefetch_stages: int
+    tensor_parallel_size: int
+    options: ScheduleOptions | None
 
 
 def check_sizes(p: int, v: int, m: int) -> tuple[int, int, int]:
@@ -75,10 +96,8 @@ class ScheduleKind:
     stages_per_rank_rule: ClassVar[str] = ""
     #: extra strategy arguments it takes (e.g. "microbatch_group_size"); others of that family are refused
     options: ClassVar[tuple[str, ...]] = ()
-    #: whether a search varies sharding and mesh order for it (weight passing fixes both)
-    sharded: ClassVar[bool] = True
-    #: whether tensor parallelism combines with it
-    tensor_parallel: ClassVar[bool] = True
+    #: the type of its own plan options (``Plan.options``; None: it has none)
+    plan_options: ClassVar[type[ScheduleOptions] | None] = None
     #: the kind that runs a micro-batch count this one refuses (a loader's smaller last batch); same placement
     fallback: ClassVar[str | None] = "breadth_first"
 
@@ -98,25 +117,6 @@ class ScheduleKind:
             return self.generate(p, v, m)
         return self.generate(p, v, m, microbatch_group_size=microbatch_group_size)
 
-    def evaluation(self, p: int, v: int, m: int) -> Schedule:
-        """Forwards without backward (validation, test, predict): breadth-first's forward sweeps."""
-        return sweeps(p, v, m, None, self.placement)
-
-    def keep(self, plan: Plan) -> int | None:
-        """How many visits ahead a gathered stage is kept for (None: ``prefetch_stages``, see
-        :func:`~lightning_bfpp.plan.actions.add_sharding_actions`)."""
-        return None
-
-    def lower_rank(self, actions: list[Action], plan: Plan, *, reduce_grads: bool, sharding: str) -> list[Action]:
-        """One rank's compute actions with the data-parallel actions added (``sharding`` already lowered: hybrid
-        sharding runs full sharding's lists)."""
-        return add_sharding_actions(
-            actions, sharding, plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=reduce_grads,
-            keep=self.keep(plan),
-        )  # fmt: skip
-
-    # -- configuration -------------------------------------------------------------------------------------
-
     def check_stages_per_rank(self, v: int) -> None:
         choices = self.stages_per_rank_choices
         if choices is not None and v not in choices:
@@ -126,54 +126,28 @@ class ScheduleKind:
                 " or 'depth_first'."
             )
 
-    def check_config(self, config: PipelineConfig) -> None:
-        """Refuse, up front, arguments this schedule cannot honour (a ``ValueError`` naming the argument)."""
-        if config.stages_per_rank != "auto":
-            try:
-                self.check_stages_per_rank(config.stages_per_rank)  # type: ignore[arg-type]
-            except ValueError as error:
-                raise ValueError(f"BFPPStrategy: {error}") from None
-        if config.microbatch_group_size is not None and "microbatch_group_size" not in self.options:
-            raise ValueError(
-                "BFPPStrategy: `microbatch_group_size` sets the group size of schedule='depth_first'"
-                f" (Megatron's interleaved order); it has no meaning for schedule={self.name!r}."
-            )
-        if config.tensor_parallel_size > 1 and not self.tensor_parallel:
-            raise ValueError(
-                f"BFPPStrategy: schedule={self.name!r} with tensor_parallel_size={config.tensor_parallel_size} is not"
-                " supported; use schedule='breadth_first' with tensor parallelism."
-            )
+    def evaluation(self, p: int, v: int, m: int) -> Schedule:
+        """Forwards without backward (validation, test, predict): breadth-first's forward sweeps."""
+        return sweeps(p, v, m, None, self.placement)
 
-    def resolve_mesh(self, config: PipelineConfig, world_size: int) -> MeshShape | None:
-        """A mesh this kind fixes itself (None: the pipeline and data-parallel sizes as the arguments say)."""
+    # -- lowering ------------------------------------------------------------------------------------------
+
+    def keep(self, plan: PlanView) -> int | None:
+        """How many visits ahead a gathered stage is kept for (None: ``prefetch_stages``, see
+        :func:`~lightning_bfpp.plan.actions.add_sharding_actions`)."""
         return None
 
-    def default_stages_per_rank(self, p: int, num_layers: int) -> int:
-        """``stages_per_rank="auto"``: two stages per rank when the model has the layers, else one."""
-        if self.stages_per_rank_choices is not None:
-            return self.stages_per_rank_choices[0]
-        return 2 if num_layers >= 2 * p else 1
+    def lower_rank(self, actions: list[Action], plan: PlanView, *, reduce_grads: bool, sharding: str) -> list[Action]:
+        """One rank's compute actions with the data-parallel actions added (``sharding`` already lowered: hybrid
+        sharding runs full sharding's lists)."""
+        return add_sharding_actions(
+            actions, sharding, plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=reduce_grads,
+            keep=self.keep(plan),
+        )  # fmt: skip
 
-    def stages_per_rank_for(self, config: PipelineConfig, mesh: MeshShape, num_layers: int) -> int:
-        p = mesh.pipeline_parallel_size
-        if isinstance(config.partition, tuple):
-            return len(config.partition) // p
-        if config.stages_per_rank == "auto":
-            return self.default_stages_per_rank(p, num_layers)
-        return config.stages_per_rank  # type: ignore[return-value]
+    # -- naming ----------------------------------------------------------------------------------------------
 
-    def default_microbatches(self, mesh: MeshShape) -> int:
-        """``num_microbatches="auto"``: as many as pipeline ranks, the fewest that keep every rank busy."""
-        return mesh.pipeline_parallel_size
-
-    def too_few_layers(self, num_layers: int, p: int, v: int) -> str:
-        return (
-            f"BFPPStrategy: the module's `pipeline_layers()` returns {num_layers} layers, fewer than the"
-            f" {p * v} stages requested (pipeline_parallel_size={p} × stages_per_rank={v}); lower"
-            " `stages_per_rank` or `pipeline_parallel_size`, or split the model into more layers."
-        )
-
-    def arguments(self, plan: Plan) -> dict[str, Any]:
+    def arguments(self, plan: PlanView) -> dict[str, Any]:
         """The strategy arguments that lay out ``plan`` (what a choice of the planner sets)."""
         return {
             "schedule": self.name,
@@ -183,29 +157,7 @@ class ScheduleKind:
             "microbatch_group_size": plan.microbatch_group_size,
         }
 
-    # -- planning ------------------------------------------------------------------------------------------
-
-    def simulate(self, plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
-        """Predict one training step of ``plan`` (raises ``ValueError`` if the schedule rejects it)."""
-        from lightning_bfpp.plan.simulate import simulate_pipeline
-
-        return simulate_pipeline(plan, profile, cluster)
-
-    def search_fields(self, p: int, dp: int, m: int, space: SearchSpace) -> Iterator[dict[str, Any]]:
-        """The plan fields a search varies for this kind at one (p, dp, m): stages per rank and options."""
-        for v in space.stages_per_rank:
-            if self.stages_per_rank_choices is None or v in self.stages_per_rank_choices:
-                yield {"stages_per_rank": v}
-
-    def infeasible(self, plan: Plan, profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> str | None:
-        """Why the planner cannot run ``plan`` (or None)."""
-        if plan.num_stages > profile.num_layers:
-            return f"{plan.num_stages} stages > {profile.num_layers} layers"
-        if 2 * plan.stages_per_rank * plan.num_microbatches > space.max_actions_per_rank:
-            return "too many actions to simulate"
-        return None
-
-    def describe(self, plan: Plan) -> str:
+    def describe(self, plan: PlanView) -> str:
         """One line naming the plan (logs, tables, trace titles)."""
         group = f" N={plan.microbatch_group_size}" if plan.microbatch_group_size else ""
         tensor = f" t={plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""

@@ -9,6 +9,7 @@ data parallelism gather its weights once per sweep and reduce its gradients once
 from __future__ import annotations
 
 from lightning_bfpp.plan.actions import Action, B, I, Kind, Schedule, ScheduleError, W, format_schedule, ready
+from lightning_bfpp.plan.schedules import register
 from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes, sweeps
 
 
@@ -129,3 +130,7 @@ class BreadthFirstZeroBubble(ScheduleKind):
 
     def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
         return breadth_first_zb(p, v, m)
+
+
+register(BreadthFirst())
+register(BreadthFirstZeroBubble())

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_bfpp.plan.actions import Action, B, F, Schedule
 from lightning_bfpp.plan.placement import LOOP
+from lightning_bfpp.plan.schedules import register
 from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes
+from lightning_bfpp.plan.simulate import PlannerModel, register_planner_model
 
 if TYPE_CHECKING:
     from lightning_bfpp.plan.cluster import Cluster
     from lightning_bfpp.plan.costs import ModelProfile
     from lightning_bfpp.plan.plan import Plan
-    from lightning_bfpp.plan.search import SearchSpace
+    from lightning_bfpp.plan.space import SearchSpace
 
 
 def depth_first(
@@ -83,9 +85,15 @@ class DepthFirst(ScheduleKind):
     def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
         return depth_first(p, v, m, microbatch_group_size)
 
-    def search_fields(self, p: int, dp: int, m: int, space: SearchSpace) -> Iterator[dict[str, Any]]:
+
+class DepthFirstModel(PlannerModel):
+    """The activation pipelines' cost model; a search also varies the group size ``N``."""
+
+    def search_fields(
+        self, kind: ScheduleKind, p: int, dp: int, m: int, space: SearchSpace
+    ) -> Iterator[dict[str, Any]]:
         sizes = [p] if space.group_sizes == "pipeline" else group_sizes(p, m)
-        for fields in super().search_fields(p, dp, m, space):
+        for fields in super().search_fields(kind, p, dp, m, space):
             for n in sizes or [None]:
                 yield {**fields, "microbatch_group_size": n}
 
@@ -93,3 +101,7 @@ class DepthFirst(ScheduleKind):
         if plan.num_microbatches < plan.pipeline_parallel_size:
             return "depth_first needs m ≥ p"
         return super().infeasible(plan, profile, cluster, space)
+
+
+register(DepthFirst())
+register_planner_model(DepthFirst.name, DepthFirstModel())

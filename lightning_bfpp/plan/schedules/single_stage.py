@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_bfpp.plan.actions import B, Schedule
+from lightning_bfpp.plan.schedules import register
 from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes, sweeps
 from lightning_bfpp.plan.schedules.depth_first import interleaved_order
 
@@ -45,3 +46,7 @@ class OneFOneB(ScheduleKind):
 
     def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
         return one_f_one_b(p, v, m)
+
+
+register(GPipe())
+register(OneFOneB())

@@ -2,14 +2,16 @@
 
 No pipeline: every rank runs its own micro-batches through the whole model while the layers, cut into one chunk
 per rank and each owned by one rank, travel to it; the engine's ``"weight_passing"`` runner moves them
-(:mod:`lightning_bfpp.engine.weight_passing`). Everything the package knows about weight passing outside the engine
-is here: its order (:func:`weight_passing`), its lowering (fetch a chunk per visit, reduce its gradient to the
-owner after every backward visit), the arguments it fixes, what a search tries, and the model below.
+(:mod:`lightning_bfpp.engine.runners.weight_passing`). Everything the package knows about weight passing outside
+the engine is here, registered under its name: the kind (:class:`WeightPassing`: its order
+(:func:`weight_passing`), its lowering (fetch a chunk per visit, reduce its gradient to the owner after every
+backward visit: :func:`reduce_every_visit`) and its options (:class:`WeightPassingOptions`)), the arguments it
+fixes (:class:`WeightPassingConfig`), and what a search tries and the model below (:class:`WeightPassingModel`).
 
 ``P = D·S`` devices, ``D`` nodes of ``S``. The model's pipeline layers are cut into ``P`` chunks, balanced as
 the partitioner balances stages (:func:`~lightning_bfpp.plan.partition.balance_by_weight`); chunk ``c`` is owned
-by global rank ``(c mod D)·S + ⌊c/D⌋`` (:func:`chunk_owner`: TawPipe's device-bound storage, so local rank
-``j`` of every node owns chunks ``jD … jD + D − 1``, one per node: rail ``j``). Only the owner keeps the
+by global rank ``(c mod D)·S + ⌊c/D⌋`` (:meth:`NodeTopology.chunk_owner`: TawPipe's device-bound storage, so
+local rank ``j`` of every node owns chunks ``jD … jD + D − 1``, one per node: rail ``j``). Only the owner keeps the
 chunk's weights in full precision, its gradients and its optimizer state.
 
 Every device runs its own ``N`` micro-batches of ``B`` samples through the whole model, one micro-batch at
@@ -64,18 +66,78 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_bfpp.plan.actions import Action, B, F, Schedule, add_sharding_actions
+from lightning_bfpp.plan.actions import (
+    GRADIENT_KINDS,
+    REDUCE_GRAD,
+    WAIT_REDUCE_GRAD,
+    Action,
+    B,
+    F,
+    Schedule,
+    add_sharding_actions,
+)
 from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.config import ConfigRules, PipelineConfig, register_config_rules
 from lightning_bfpp.plan.costs import LayerCost, ModelProfile, balanced_counts, stage_costs
 from lightning_bfpp.plan.mesh import MeshShape
-from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes
-from lightning_bfpp.plan.simulate import Prediction
+from lightning_bfpp.plan.schedules import register
+from lightning_bfpp.plan.schedules.base import PlanView, ScheduleKind, ScheduleOptions, check_sizes
+from lightning_bfpp.plan.simulate import PlannerModel, Prediction, register_planner_model
 from lightning_bfpp.plan.timeline import Span
+from lightning_bfpp.plan.topology import NodeTopology
 
 if TYPE_CHECKING:
-    from lightning_bfpp.plan.config import PipelineConfig
     from lightning_bfpp.plan.plan import Plan
-    from lightning_bfpp.plan.search import SearchSpace
+    from lightning_bfpp.plan.space import SearchSpace
+
+
+@dataclass(frozen=True)
+class WeightPassingOptions(ScheduleOptions):
+    """Weight passing's own plan options (``Plan.options``).
+
+    ``stagger``: node ``g`` runs ``g`` visits behind node 0, so that every node's link sends and receives one chunk
+    per visit: TawPipe's node stagger, a what-if of the model below that the runtime does not run (the search
+    tries it only where ``SearchSpace.options`` asks for it).
+    """
+
+    stagger: bool = False
+
+    def describe(self) -> str:
+        return "staggered" if self.stagger else ""
+
+
+def options_of(plan: PlanView) -> WeightPassingOptions:
+    """The plan's weight-passing options (the defaults where it holds none)."""
+    options = plan.options
+    return options if isinstance(options, WeightPassingOptions) else WeightPassingOptions()
+
+
+def reduce_every_visit(actions: Sequence[Action]) -> list[Action]:
+    """A lowered list (without reductions) with each chunk's gradients reduced to their owner after *every*
+    backward visit that computed some (an input-gradient-only visit adds none): a rank then holds no gradients of
+    chunks it does not own beyond one visit's. Each ``REDUCE_GRAD`` follows the visit's last action; its
+    ``WAIT_REDUCE_GRAD`` comes just before the next one, or at the end, as in
+    :func:`~lightning_bfpp.plan.actions.add_sharding_actions`."""
+    out: list[Action] = []
+    pending: int | None = None
+    gradients = False
+    for i, a in enumerate(actions):
+        out.append(a)
+        if not a.is_compute:
+            continue
+        gradients = gradients or a.kind in GRADIENT_KINDS
+        after = actions[i + 1] if i + 1 < len(actions) else None
+        if after is not None and after.is_compute and after.stage == a.stage and (after.kind is F) == (a.kind is F):
+            continue  # the visit goes on
+        if a.kind is not F and gradients:
+            if pending is not None:
+                out.append(Action(pending, WAIT_REDUCE_GRAD))
+            out.append(Action(a.stage, REDUCE_GRAD))
+            pending = a.stage
+        gradients = False
+    if pending is not None:
+        out.append(Action(pending, WAIT_REDUCE_GRAD))
+    return out
 
 
 def weight_passing(num_chunks: int, num_microbatches: int) -> Schedule:
@@ -90,11 +152,6 @@ def weight_passing(num_chunks: int, num_microbatches: int) -> Schedule:
     return {0: actions}
 
 
-def chunk_owner(chunk: int, nodes: int, per_node: int) -> int:
-    """The global rank that owns ``chunk``: ``(c mod D)·S + ⌊c/D⌋``."""
-    return (chunk % nodes) * per_node + chunk // nodes
-
-
 def chunks(profile: ModelProfile, num_chunks: int, microbatch_size: int) -> list[LayerCost]:
     """The profile's layers at ``microbatch_size``, summed into ``num_chunks`` chunks balanced by weight."""
     layers = profile.at_microbatch_size(microbatch_size)
@@ -102,48 +159,38 @@ def chunks(profile: ModelProfile, num_chunks: int, microbatch_size: int) -> list
     return stage_costs(layers, counts)
 
 
-@dataclass(frozen=True)
-class Topology:
-    nodes: int  # D
-    per_node: int  # S
-
-    @property
-    def devices(self) -> int:
-        return self.nodes * self.per_node
-
-    @staticmethod
-    def of(cluster: Cluster) -> Topology:
-        if cluster.num_devices % cluster.devices_per_node:
-            raise ValueError(
-                f"weight passing needs whole nodes: {cluster.num_devices} devices"
-                f" in nodes of {cluster.devices_per_node}"
-            )
-        return Topology(cluster.num_devices // cluster.devices_per_node, cluster.devices_per_node)
+def topology_of(cluster: Cluster) -> NodeTopology:
+    """The cluster's nodes, which weight passing needs whole."""
+    if cluster.num_devices % cluster.devices_per_node:
+        raise ValueError(
+            f"weight passing needs whole nodes: {cluster.num_devices} devices in nodes of {cluster.devices_per_node}"
+        )
+    return NodeTopology(cluster.num_devices, cluster.devices_per_node)
 
 
-def rail_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+def rail_s(nbytes: float, topology: NodeTopology, cluster: Cluster, stagger: bool = False) -> float:
     """One chunk across the rail: the owner's ``D − 1`` copies one after another, or one with the stagger."""
-    if topology.nodes == 1:
+    if topology.num_nodes == 1:
         return 0.0
-    copies = 1 if stagger else topology.nodes - 1
+    copies = 1 if stagger else topology.num_nodes - 1
     return cluster.latency_s + copies * nbytes / cluster.rail_bandwidth
 
 
-def node_s(nbytes: float, topology: Topology, cluster: Cluster, reduce: bool = False) -> float:
+def node_s(nbytes: float, topology: NodeTopology, cluster: Cluster, reduce: bool = False) -> float:
     """A broadcast (or, ``reduce``, a sum to one device, at the reductions' bandwidth) of one chunk among the
     ``S`` devices of a node."""
-    if topology.per_node == 1:
+    if topology.processes_per_node == 1:
         return 0.0
-    s = topology.per_node
+    s = topology.processes_per_node
     bandwidth = cluster.intra_node_bandwidth * (cluster.reduce_bandwidth_ratio if reduce else 1.0)
     return cluster.collective_overhead_s + (s - 1) * cluster.latency_s + nbytes / bandwidth
 
 
-def fetch_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+def fetch_s(nbytes: float, topology: NodeTopology, cluster: Cluster, stagger: bool = False) -> float:
     return rail_s(nbytes, topology, cluster, stagger) + node_s(nbytes, topology, cluster)
 
 
-def gradient_s(nbytes: float, topology: Topology, cluster: Cluster, stagger: bool = False) -> float:
+def gradient_s(nbytes: float, topology: NodeTopology, cluster: Cluster, stagger: bool = False) -> float:
     """A node reduce then the rail: a fetch's two legs, the other way."""
     return node_s(nbytes, topology, cluster, reduce=True) + rail_s(nbytes, topology, cluster, stagger)
 
@@ -162,11 +209,11 @@ def fetched(order: Sequence[tuple[str, int, int]]) -> list[bool]:
     return [i == 0 or order[i][1] != order[i - 1][1] for i in range(len(order))]
 
 
-def traffic(chunk_bytes: Sequence[float], num_microbatches: int, topology: Topology) -> dict[str, float]:
+def traffic(chunk_bytes: Sequence[float], num_microbatches: int, topology: NodeTopology) -> dict[str, float]:
     """Bytes per step: ``fetched`` (``F``); ``cross_node`` over all rails together; per device, the most any
     device sends and receives on its ``rail``, receives by node ``broadcast`` and sends into node ``reduce``
     (the last two zero on one-device nodes)."""
-    p, n, d, s = len(chunk_bytes), num_microbatches, topology.nodes, topology.per_node
+    p, n, d, s = len(chunk_bytes), num_microbatches, topology.num_nodes, topology.processes_per_node
     order = visits(p, n)
     fetch_count = [0] * p
     for (_, c, _), needed in zip(order, fetched(order), strict=True):
@@ -194,7 +241,7 @@ def traffic(chunk_bytes: Sequence[float], num_microbatches: int, topology: Topol
     }
 
 
-def memory(chunk_costs: Sequence[LayerCost], topology: Topology, optimizer_state_ratio: float) -> int:
+def memory(chunk_costs: Sequence[LayerCost], topology: NodeTopology, optimizer_state_ratio: float) -> int:
     """Peak bytes on the busiest device (see the module docstring)."""
     p = len(chunk_costs)
     owned = max(chunk_costs[c].param_bytes for c in range(p))  # each device owns one chunk
@@ -209,20 +256,20 @@ def memory(chunk_costs: Sequence[LayerCost], topology: Topology, optimizer_state
 
 def simulate_weight_passing(config: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
     """Predict one step of weight passing over the whole cluster (``config.data_parallel_size`` devices)."""
-    topology = Topology.of(cluster)
+    topology = topology_of(cluster)
     shape = (config.pipeline_parallel_size, config.data_parallel_size, config.stages_per_rank)
-    if shape != (1, topology.devices, topology.devices):
+    if shape != (1, topology.world_size, topology.world_size):
         raise ValueError(
             f"weight passing runs on every device with one chunk per device: pipeline_parallel_size=1,"
-            f" data_parallel_size=stages_per_rank={topology.devices}; got (p, dp, v) = {shape}"
+            f" data_parallel_size=stages_per_rank={topology.world_size}; got (p, dp, v) = {shape}"
         )
-    p, n = topology.devices, config.num_microbatches
+    p, n = topology.world_size, config.num_microbatches
     if p > profile.num_layers:
         raise ValueError(
             f"weight passing cuts the layers into one chunk per device: {p} chunks > {profile.num_layers} layers"
         )
     costs = chunks(profile, p, config.microbatch_size)
-    stagger = config.stagger
+    stagger = options_of(config).stagger
     order = visits(p, n)
     needs = fetched(order)
     overhead = cluster.action_overhead_s
@@ -262,9 +309,9 @@ def simulate_weight_passing(config: Plan, profile: ModelProfile, cluster: Cluste
             grad_free = g_end
             spans.append(Span(0, "reduce", g_start, g_end, c))
     pipeline_end = max(end, fetch_free, grad_free)
-    if stagger and topology.nodes > 1:
+    if stagger and topology.num_nodes > 1:
         busy = sum(span.duration for span in spans if span.kind in ("forward", "backward"))
-        pipeline_end += (topology.nodes - 1) * busy / len(order)
+        pipeline_end += (topology.num_nodes - 1) * busy / len(order)
     optimizer_s = profile.optimizer_s_per_byte * max(cost.param_bytes for cost in costs)
     step_time = pipeline_end + optimizer_s
     if end < pipeline_end:
@@ -290,8 +337,7 @@ class WeightPassing(ScheduleKind):
         " owned by one rank, travel to it along the node topology"
     )
     runner = "weight_passing"
-    sharded = False  # the chunks' owners replace sharding; the mesh order changes nothing
-    tensor_parallel = False
+    plan_options = WeightPassingOptions
     fallback = None  # any micro-batch count runs
 
     def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
@@ -302,14 +348,32 @@ class WeightPassing(ScheduleKind):
             )
         return weight_passing(v, m)
 
-    def lower_rank(self, actions: list[Action], plan: Plan, *, reduce_grads: bool, sharding: str) -> list[Action]:
+    def lower_rank(self, actions: list[Action], plan: PlanView, *, reduce_grads: bool, sharding: str) -> list[Action]:
         # a chunk's weights are fetched for a visit and freed after it (the look-ahead no longer than the
         # prefetch: TawPipe's cost model fetches once per visit); its gradient goes to its owner after every
-        # backward visit, so a rank holds no gradients of chunks it does not own beyond one visit's
-        return add_sharding_actions(
-            actions, "full_shard", plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=reduce_grads,
-            keep=plan.prefetch_stages, reduce_every_visit=True,
+        # backward visit, whatever `reduce_grads` (the owner accumulates)
+        fetched = add_sharding_actions(
+            actions, "full_shard", plan.num_microbatches, prefetch=plan.prefetch_stages, reduce_grads=False,
+            keep=plan.prefetch_stages,
         )  # fmt: skip
+        return reduce_every_visit(fetched)
+
+    def arguments(self, plan: PlanView) -> dict[str, Any]:
+        # the chunks follow the world size; only the micro-batches are the planner's to set
+        return {"schedule": self.name, "pipeline_parallel_size": 1, "num_microbatches": plan.num_microbatches}
+
+    def describe(self, plan: PlanView) -> str:
+        staggered = options_of(plan).describe()
+        return (
+            f"weight_passing{' ' + staggered if staggered else ''} chunks={plan.data_parallel_size}"
+            f" m={plan.num_microbatches}×{plan.microbatch_size}"
+        )
+
+
+class WeightPassingConfig(ConfigRules):
+    """The arguments weight passing fixes: one chunk per rank, every rank its own replica."""
+
+    tensor_parallel = False
 
     def check_config(self, config: PipelineConfig) -> None:
         fixed = {
@@ -349,23 +413,27 @@ class WeightPassing(ScheduleKind):
     def default_microbatches(self, mesh: MeshShape) -> int:
         return 1  # every chunk is fetched once per micro-batch: one is the fewest transfers
 
-    def arguments(self, plan: Plan) -> dict[str, Any]:
-        # the chunks follow the world size; only the micro-batches are the planner's to set
-        return {"schedule": self.name, "pipeline_parallel_size": 1, "num_microbatches": plan.num_microbatches}
-
     def too_few_layers(self, num_layers: int, p: int, v: int) -> str:
         return (
             f"BFPPStrategy: schedule='weight_passing' cuts `pipeline_layers()` into one chunk per rank, but the"
             f" module returns {num_layers} layers for {v} ranks; use fewer processes or more layers."
         )
 
+
+class WeightPassingModel(PlannerModel):
+    """The model above; a search tries one chunk per device on every device, with the options the space asks for."""
+
+    sharded = False  # the chunks' owners replace sharding; the mesh order changes nothing
+
     def simulate(self, plan: Plan, profile: ModelProfile, cluster: Cluster) -> Prediction:
         return simulate_weight_passing(plan, profile, cluster)
 
-    def search_fields(self, p: int, dp: int, m: int, space: SearchSpace) -> Iterator[dict[str, Any]]:
+    def search_fields(
+        self, kind: ScheduleKind, p: int, dp: int, m: int, space: SearchSpace
+    ) -> Iterator[dict[str, Any]]:
         if p == 1:  # every device a replica visiting one chunk per device, whatever the space's stages per rank
-            for stagger in space.weight_passing_stagger:
-                yield {"stages_per_rank": dp, "stagger": stagger}
+            for options in space.options_of(kind.name, WeightPassingOptions()):
+                yield {"stages_per_rank": dp, "options": options}
 
     def infeasible(self, plan: Plan, profile: ModelProfile, cluster: Cluster, space: SearchSpace) -> str | None:
         if cluster.num_devices % cluster.devices_per_node:
@@ -376,8 +444,7 @@ class WeightPassing(ScheduleKind):
             return f"{plan.num_stages} chunks > {profile.num_layers} layers"
         return None
 
-    def describe(self, plan: Plan) -> str:
-        return (
-            f"weight_passing{' staggered' if plan.stagger else ''} chunks={plan.data_parallel_size}"
-            f" m={plan.num_microbatches}×{plan.microbatch_size}"
-        )
+
+register(WeightPassing())
+register_config_rules(WeightPassing.name, WeightPassingConfig())
+register_planner_model(WeightPassing.name, WeightPassingModel())

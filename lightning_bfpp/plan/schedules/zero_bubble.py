@@ -22,14 +22,11 @@ backward on (breadth-first: at most ``prefetch_stages + 1``); each stage's ``RED
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from lightning_bfpp.plan.actions import Action, F, I, Kind, Schedule, W
 from lightning_bfpp.plan.placement import V
-from lightning_bfpp.plan.schedules.base import ScheduleKind, check_sizes
-
-if TYPE_CHECKING:
-    from lightning_bfpp.plan.plan import Plan
+from lightning_bfpp.plan.schedules import register
+from lightning_bfpp.plan.schedules.base import PlanView, ScheduleKind, check_sizes
 
 
 def interleaved_zero_bubble(pipeline_parallel_size: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
@@ -145,7 +142,7 @@ def zbv_zero_bubble(pipeline_parallel_size: int, stages_per_rank: int, num_micro
 class _ZeroBubble(ScheduleKind):
     splits_backward = True
 
-    def keep(self, plan: Plan) -> int | None:
+    def keep(self, plan: PlanView) -> int | None:
         # every visit of the step: a stage stays gathered from its first action to its last (module docstring)
         return 3 * plan.stages_per_rank * plan.num_microbatches
 
@@ -171,3 +168,7 @@ class ZeroBubbleV(_ZeroBubble):
 
     def generate(self, p: int, v: int, m: int, *, microbatch_group_size: int | None = None) -> Schedule:
         return zbv_zero_bubble(p, v, m)
+
+
+register(InterleavedZeroBubble())
+register(ZeroBubbleV())

@@ -134,24 +134,33 @@ def test_the_profile_measures_the_weight_gradient_part_of_each_backward() -> Non
     is one autograd node runs it whole in both passes (torch's weight pass starts again from the node), which the
     planner then charges twice to a zero-bubble schedule; the first layer (its input needs no gradient) has only a
     weight pass."""
+    from lightning_bfpp.adapter.user_step import training_step_input
     from lightning_bfpp.measure.profile import profile_module
 
     batch = (torch.randn(ROWS, 8),)
-    split = profile_module(EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)), batch, repeats=2)
+    split = profile_module(
+        EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)), batch, training_step_input, repeats=2
+    )
     first, *rest = split.layers
     assert first.backward_weight_s == pytest.approx(first.backward_s, abs=1e-3)  # all of it: no input to differentiate
     for layer in rest:  # (a sleep never ends early; a late wake-up is far below 30 ms)
         assert (INPUT_MS + WEIGHT_MS) / 1e3 <= layer.backward_s < (2 * INPUT_MS + WEIGHT_MS) / 1e3
         assert WEIGHT_MS / 1e3 - 0.01 <= layer.backward_weight_s <= WEIGHT_MS / 1e3 + INPUT_MS / 1e3 - 0.01
         assert layer.input_grad_s < INPUT_MS / 1e3 + 0.02
-    whole = profile_module(EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8)), batch, repeats=2)
+    whole = profile_module(
+        EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8)), batch, training_step_input, repeats=2
+    )
     for layer in whole.layers[1:]:
         for seconds in (layer.backward_s, layer.input_grad_s, layer.backward_weight_s):
             assert INPUT_MS / 1e3 <= seconds < 2 * INPUT_MS / 1e3
     # without a zero-bubble schedule to plan ("auto" with another schedule, partition="time"), no input-gradient
     # pass: the weight part is left unknown (the planner's default: half), the whole backward still measured
     plain = profile_module(
-        EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)), batch, repeats=2, split_backward=False
+        EmulatedNet(EmulatedModel(3, 1.0, INPUT_MS, NUMEL, 8, WEIGHT_MS)),
+        batch,
+        training_step_input,
+        repeats=2,
+        split_backward=False,
     )
     assert all(layer.backward_weight_s is None for layer in plain.layers)
     for layer in plain.layers[1:]:

@@ -1,0 +1,129 @@
+"""Saving a checkpoint atomically: a crash while saving leaves the previous one untouched.
+
+Saving writes into ``<path>.tmp`` and swaps it in only after every rank has finished; a process killed between
+the swap's two renames leaves the previous checkpoint as ``<path>.old``, which loading then falls back to (see
+:func:`resolve_path`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from lightning_bfpp.engine.agreement import describe
+from lightning_bfpp.engine.checkpoint.errors import CheckpointError, _dcp_failures, raise_on_every_rank
+from lightning_bfpp.engine.checkpoint.names import METADATA_FILENAME, is_sharded_checkpoint
+
+
+def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_global_zero: bool) -> None:
+    """Write ``state`` with DCP and ``metadata`` to ``meta.pt``, then atomically put the folder at ``path``.
+
+    A collective. ``meta.pt`` is written by global rank 0 only, after every rank's tensors are on disk, and
+    its failure (or the swap's) reaches every rank through :func:`raise_on_every_rank`; before, rank 0
+    raised alone and the others waited in the next barrier forever.
+
+    A failed save removes its staging folder ``<path>.tmp`` before any rank raises. DCP raises a failed write
+    (one rank's full disk) on every rank at once; re-raised as it was, it reached Lightning on every rank as one
+    rank's crash, and the first rank to report it had the failure watchdog (or the launcher) stop every other
+    process, global rank 0 included, possibly before it had removed the staging folder: a race that left
+    ``<path>.tmp`` behind on a busy machine. Now every rank waits in :func:`raise_on_every_rank` until rank 0 has
+    cleaned up, then raises the same agreed :class:`CheckpointError`, which stops nobody. A process killed
+    outright (SIGKILL, a lost node) can still leave ``<path>.tmp``; nothing reads it: loading reads ``path``
+    (or ``<path>.old``, :func:`resolve_path`), Lightning's ``ModelCheckpoint`` lists only ``*.ckpt`` names, and
+    the next save at ``path`` removes it first.
+    """
+    staging = path.with_name(path.name + ".tmp")
+    context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
+    error: BaseException | None = None
+    if is_global_zero:
+        try:  # left over by a save that was killed
+            _remove(staging)
+        except Exception as failure:  # shared with every rank below
+            error = failure
+    raise_on_every_rank(error, context)
+    try:
+        dcp.save(state, checkpoint_id=staging)
+    except CheckpointException as failure:  # DCP raises it on every rank, from the ranks' shared outcomes
+        error = CheckpointError(f"{context}: {_dcp_failures(failure)}")
+        if is_global_zero:
+            _discard(staging)
+    except BaseException:  # this rank's own interruption (KeyboardInterrupt): the others are not here to wait
+        if is_global_zero:
+            _discard(staging)
+        raise
+    raise_on_every_rank(error, context)  # every rank waits here until rank 0 has removed the staging folder
+    if is_global_zero:
+        try:
+            _write_metadata(metadata, staging / METADATA_FILENAME)
+            context = f"BFPPStrategy could not put the new checkpoint in place at {path}"  # the swap may be half done
+            _swap_in(staging, path)
+        except Exception as failure:  # shared with every rank below
+            error = failure
+            _discard(staging)
+    raise_on_every_rank(error, context)
+
+
+def _discard(path: Path) -> None:
+    """Remove a staging folder, as far as possible: a failed save is reported as such, not as this."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_metadata(metadata: dict[str, Any], file: Path) -> None:
+    torch.save(metadata, file)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def _swap_in(staging: Path, path: Path) -> None:
+    """Replace ``path`` by ``staging`` with two renames; at every instant a complete checkpoint exists.
+
+    A folder cannot replace a non-empty folder in one rename, so the previous checkpoint is moved to
+    ``<path>.old`` first; a process killed between the renames leaves it there, and :func:`resolve_path` reads
+    it. When ``path`` is missing (that kill happened before), ``<path>.old`` is the only complete checkpoint
+    and is kept until the new one is in place.
+    """
+    old = _old(path)
+    if path.exists():
+        _remove(old)  # ``path`` is complete, so an older ``.old`` is not needed
+        path.rename(old)  # until the next line, the previous checkpoint is readable as <path>.old
+    staging.rename(path)
+    try:
+        _remove(old)
+    except Exception as failure:  # the new checkpoint is in place: say so
+        raise CheckpointError(
+            f"BFPPStrategy saved the checkpoint {path}, but could not remove the previous one beside it,"
+            f" {old.name} ({describe(failure)}); the next save at this path removes it, or remove it yourself."
+        ) from failure
+
+
+def resolve_path(path: Path) -> tuple[Path, str | None]:
+    """The checkpoint to read for ``path``, and a warning when it is the one an interrupted save replaced.
+
+    Only a swap killed between its two renames leaves ``<path>.old`` without ``path``; ``.old`` is then the
+    previous checkpoint, complete. (``<path>.tmp`` may hold a newer, complete one, but nothing records that
+    every rank finished it; the next save discards it.)
+    """
+    if path.exists():
+        return path, None
+    old = _old(path)
+    if is_sharded_checkpoint(old):
+        return old, (
+            f"BFPPStrategy: {path} does not exist, but {old.name} beside it does: a save that replaced it was"
+            f" interrupted between its two renames. Resuming from {old}, the previous checkpoint (complete);"
+            " the next save at this path replaces it."
+        )
+    raise CheckpointError(f"BFPPStrategy cannot load {path}: it does not exist (nor {old.name} beside it).")
