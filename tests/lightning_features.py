@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     DeviceStatsMonitor,
     GradientAccumulationScheduler,
+    LambdaCallback,
     LearningRateFinder,
     ModelCheckpoint,
     ModelPruning,
@@ -36,6 +37,10 @@ RAISE_AT_STEP = 3
 
 def samples_in(batch: Any) -> int:
     return len(batch[0])
+
+
+def log_steps_done(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    pl_module.log("steps_done", float(trainer.global_step), sync_dist=True)
 
 
 class RaiseAtStep(L.Callback):
@@ -129,7 +134,9 @@ def feature_callbacks(checks: set[str], out: Path) -> tuple[list[L.Callback], di
         callbacks.append(DeviceStatsMonitor(cpu_stats=True))
     if "throughput" in checks:
         callbacks.append(ThroughputMonitor(batch_size_fn=samples_in, window_size=2))
-    if checks & {"device_stats", "throughput"}:
+    if "lambda" in checks:  # a hook given as a function: logs the step count, synced, at each epoch's end
+        callbacks.append(LambdaCallback(on_train_epoch_end=log_steps_done))
+    if checks & {"device_stats", "throughput", "lambda"}:
         kwargs["logger"] = CSVLogger(out, name="logs", version=0)
     if "rich" in checks:
         callbacks += [RichProgressBar(), RichModelSummary(max_depth=1)]

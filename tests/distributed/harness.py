@@ -7,11 +7,14 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,11 +179,45 @@ def _wait_for_unlock(path: Path, deadline: float) -> bool:
 def launch(
     runs: list[RunSpec], devices: int, workdir: Path, timeout: float = 240, unset: Sequence[str] = ()
 ) -> dict[str, RunResult]:
-    """Run ``runs`` (see :func:`run_worker`) and load what every rank recorded; fail with the output on error."""
+    """Run ``runs`` (see :func:`run_worker`) and load what every rank recorded; fail with the output on error.
+
+    A launch in which a rank died in native code (:func:`_native_crash`: no Python error of its own) runs once
+    more, with a warning carrying the crash report; a second failure, and any Python error, fails the test."""
     proc = run_worker(runs, devices, workdir, timeout, unset)
+    if proc.returncode != 0 and (crash := _native_crash(proc.stderr, workdir / "out")) is not None:
+        warnings.warn(
+            f"a rank of this launch died in native code (exit {proc.returncode}); it ran again:\n{crash}\n"
+            f"{_tail(proc.stderr, 20)}",
+            stacklevel=2,
+        )
+        shutil.rmtree(workdir / "out", ignore_errors=True)
+        proc = run_worker(runs, devices, workdir, timeout, unset)
     if proc.returncode != 0:
-        raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+        crash = _native_crash(proc.stderr, workdir / "out") or ""
+        raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{crash}\n{_tail(proc.stderr)}")
     return load_results(runs, devices, workdir)
+
+
+# a rank's fault handler (SIGSEGV, SIGABRT, ...) writes its threads' stacks to OUT_DIR/<CRASH_PREFIX>node<N>.rank<R>.txt
+CRASH_PREFIX = "crash."
+# what the other ranks of a launch raise when one of them is gone
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "stopped responding")
+
+
+def _native_crash(stderr: str | None, out: Path) -> str | None:
+    """How a rank died if it died without raising: its fault handler's report or, where it wrote none, the
+    survivors' errors that only say they lost a peer. None where some rank raised an error of its own."""
+    reports = [
+        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n{text}"
+        for path in sorted(out.glob(f"{CRASH_PREFIX}*.txt"))
+        if (text := path.read_text(errors="replace").strip())
+    ]
+    if reports:
+        return "\n".join(reports)
+    errors = [line for line in (stderr or "").splitlines() if re.search(r"\w(Error|Exception): ", line)]
+    if errors and all(any(lost in line for lost in _PEER_LOST) for line in errors):
+        return "a rank exited without a Python error; the others lost their connection to it"
+    return None
 
 
 def load_results(runs: list[RunSpec], devices: int, workdir: Path) -> dict[str, RunResult]:

@@ -21,7 +21,7 @@ from tests.distributed.harness import (
     relative_error,
     run_2x2,
 )
-from tests.models import RunSpec, reference_run
+from tests.models import RunSpec, assert_same_predictions, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -37,7 +37,7 @@ def refused(name: str, checks=(), trainer=None, **kwargs) -> RunSpec:
 EPOCHS_2 = {"max_epochs": 2, "max_steps": -1}  # 4 batches of 16 per epoch
 EPOCH_LOOPS = {
     "max_epochs": 4, "max_steps": -1, "check_val_every_n_epoch": 2, "limit_train_batches": 3, "limit_val_batches": 2,
-    "limit_test_batches": 1, "profiler": "simple",
+    "limit_test_batches": 1, "limit_predict_batches": 1, "profiler": "simple",
 }  # fmt: skip
 # the rows of docs/lightning-features.md that a run shows: each against the same callbacks on one process
 FEATURE_RUNS = [
@@ -45,7 +45,7 @@ FEATURE_RUNS = [
     run("resume_weights_only", resume_from="weights_only/weights_only/last.ckpt", expect_error=True),
     run("accumulation_schedule", trainer=EPOCHS_2, checks=("accumulation_schedule",)),
     run("max_time", trainer={"max_time": {"microseconds": 1}}),  # the Timer stops after the first step
-    run("epoch_loops", trainer=EPOCH_LOOPS, checks=("validate", "test")),
+    run("epoch_loops", trainer=EPOCH_LOOPS, checks=("validate", "test", "predict")),
     run("overfit_batches", trainer={"overfit_batches": 2, "max_epochs": 3, "max_steps": -1}, checks=("validate",)),
     run(
         "modes",
@@ -61,7 +61,7 @@ FEATURE_RUNS = [
         trainer={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1, **EPOCHS_2},
         loader_factory="tests.lightning_features:replica_sampled_data",
     ),
-    run("monitors", checks=("device_stats", "throughput", "rich")),
+    run("monitors", trainer=EPOCHS_2, checks=("device_stats", "throughput", "rich", "lambda")),
     # the finders' 16 steps of range test, then 2 steps of training at the suggested rate
     run("lr_finder", trainer={"max_steps": 2}, checks=("lr_finder",)),
     run("tuner_lr_find", trainer={"max_steps": 2}, checks=("tuner_lr_find",)),
@@ -217,7 +217,7 @@ FEATURE_EFFECTS = {
     "own_sampler_reloaded": lambda ref: ref.extras["counters"]["global_step"] == 8,
     "lr_finder": lambda ref: ref.extras["lr"] != 0.05 and len(ref.extras["lr_found"]["losses"]) == 16,
     "tuner_lr_find": lambda ref: ref.extras["lr"] != 0.05 and len(ref.extras["lr_found"]["losses"]) == 16,
-    "monitors": lambda ref: ref.extras["counters"]["global_step"] == 6,
+    "monitors": lambda ref: ref.extras["counters"]["global_step"] == 8,
 }
 
 
@@ -275,9 +275,10 @@ def test_users_own_sampler_is_requested_again_each_epoch(results):
     assert [rank["loader_requests"] for rank in res["own_sampler_reloaded"].ranks] == [2] * 4
 
 
-def test_device_stats_and_throughput_monitors(results, tmp_path):
+def test_device_stats_throughput_monitors_and_lambda_callback(results, tmp_path):
     """DeviceStatsMonitor logs each process's own device, as under DDP; ThroughputMonitor's world-wide rates count
-    each data-parallel replica's batch once (a device's rate times 2 replicas, not times 4 processes)."""
+    each data-parallel replica's batch once (a device's rate times 2 replicas, not times 4 processes); a
+    LambdaCallback's hook logs what one device's does."""
     workdir, _ = results
     got = list(csv.DictReader((workdir / "out" / "monitors" / "logs" / "version_0" / "metrics.csv").open()))
     out = tmp_path / "reference"
@@ -289,7 +290,23 @@ def test_device_stats_and_throughput_monitors(results, tmp_path):
     assert rates
     for row in rates:
         assert float(row["train/samples_per_sec"]) == pytest.approx(2 * float(row["train/device/samples_per_sec"]))
-    assert [float(r["train/samples"]) for r in got if r.get("train/samples")] == [8.0 * k for k in range(1, 7)]
+    assert [float(r["train/samples"]) for r in got if r.get("train/samples")] == [8.0 * k for k in range(1, 9)]
+    assert _csv_column_of(got, "steps_done") == _csv_column_of(want, "steps_done") == [4.0, 8.0]
+
+
+def _csv_column_of(rows, column):
+    return [float(r[column]) for r in rows if r.get(column)]
+
+
+def test_limit_predict_batches_counts_each_replicas_batches_as_under_ddp(results):
+    """`limit_predict_batches=1` predicts one batch per data-parallel replica (as DDP does): with 2 replicas, what
+    one device predicts with `limit_predict_batches=2` at the same per-replica batch size."""
+    workdir, _ = results
+    spec = RUNS["epoch_loops"].to_json()
+    want = reference_run(RunSpec(**{**spec, "trainer": {**spec["trainer"], "limit_predict_batches": 2}}))
+    got = torch.load(workdir / "out" / "epoch_loops" / "predictions_rank0.pt")
+    assert len(want.extras["predict"]) == 2  # two batches of the four
+    assert_same_predictions(got, want.extras["predict"], 1e-5)
 
 
 def test_weights_only_checkpoint_holds_the_weights_and_refuses_a_resume(results):

@@ -51,7 +51,7 @@ import lightning_bfpp  # registers "bfpp"
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 from tests import models as test_models
-from tests.distributed.harness import STACK_DUMP_SIGNAL, STACKS_PREFIX
+from tests.distributed.harness import CRASH_PREFIX, STACK_DUMP_SIGNAL, STACKS_PREFIX
 from tests.models import (
     RunSpec,
     StepRecorder,
@@ -782,14 +782,17 @@ def _dump_stacks_on_signal(out: Path) -> Any:
     node, local = os.environ.get("NODE_RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     file = (out / f"{STACKS_PREFIX}node{node}.rank{local}.txt").open("w")
     faulthandler.register(STACK_DUMP_SIGNAL, file=file, all_threads=True)
-    return file
+    # and, on a crash in native code (SIGSEGV, SIGABRT, ...), where every thread was (see harness.launch)
+    crash = (out / f"{CRASH_PREFIX}node{node}.rank{local}.txt").open("w")
+    faulthandler.enable(file=crash, all_threads=True)
+    return file, crash
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     ranks = LocalRanks(spec["devices"])
-    stacks = _dump_stacks_on_signal(out)  # noqa: F841  (kept open for the handler)
+    stacks = _dump_stacks_on_signal(out)  # noqa: F841  (kept open for the handlers)
     # whole lines per write: ranks forked together raise together, and PYTHONUNBUFFERED's writes of a traceback's
     # pieces from two ranks interleaved inside lines
     for stream in (sys.stdout, sys.stderr):

@@ -90,3 +90,14 @@ def test_checkpoint_io_plugins_are_refused():
     guards.check_checkpoint_io(TorchCheckpointIO())
     with pytest.raises(ValueError, match="does not use CheckpointIO plugins, got AsyncCheckpointIO"):
         guards.check_checkpoint_io(AsyncCheckpointIO())
+
+
+def test_both_summary_callbacks_print_the_whole_model():
+    """`ModelSummary` and `RichModelSummary` get the whole-model summary the strategy takes before the split
+    (Lightning's private `_summary`, replaced by `summarize_with`)."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    whole = object()
+    callbacks = [ModelSummary(), RichModelSummary(), ModelCheckpoint()]
+    lc.summarize_with(callbacks, whole)
+    assert [c._summary(None, None) for c in callbacks[:2]] == [whole, whole]
