@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from tests.distributed.harness import (
     REPO,
@@ -44,7 +45,8 @@ FEATURE_RUNS = [
     run("weights_only", checks=("weights_only",)),
     run("resume_weights_only", resume_from="weights_only/weights_only/last.ckpt", expect_error=True),
     run("accumulation_schedule", trainer=EPOCHS_2, checks=("accumulation_schedule",)),
-    run("max_time", trainer={"max_time": {"microseconds": 1}}),  # the Timer stops after the first step
+    # the Timer stops after the first step; `benchmark` sets cuDNN's flag, which no layer here reads
+    run("max_time", trainer={"max_time": {"microseconds": 1}, "benchmark": True}),
     run("epoch_loops", trainer=EPOCH_LOOPS, checks=("validate", "test", "predict")),
     run("overfit_batches", trainer={"overfit_batches": 2, "max_epochs": 3, "max_steps": -1}, checks=("validate",)),
     run(
@@ -61,7 +63,11 @@ FEATURE_RUNS = [
         trainer={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1, **EPOCHS_2},
         loader_factory="tests.lightning_features:replica_sampled_data",
     ),
-    run("monitors", trainer=EPOCHS_2, checks=("device_stats", "throughput", "rich", "lambda")),
+    run(
+        "monitors",
+        trainer={**EPOCHS_2, "enable_autolog_hparams": False},
+        checks=("device_stats", "throughput", "rich", "lambda"),
+    ),
     # the finders' 16 steps of range test, then 2 steps of training at the suggested rate
     run("lr_finder", trainer={"max_steps": 2}, checks=("lr_finder",)),
     run("tuner_lr_find", trainer={"max_steps": 2}, checks=("tuner_lr_find",)),
@@ -280,7 +286,8 @@ def test_device_stats_throughput_monitors_and_lambda_callback(results, tmp_path)
     each data-parallel replica's batch once (a device's rate times 2 replicas, not times 4 processes); a
     LambdaCallback's hook logs what one device's does."""
     workdir, _ = results
-    got = list(csv.DictReader((workdir / "out" / "monitors" / "logs" / "version_0" / "metrics.csv").open()))
+    monitors = workdir / "out" / "monitors"
+    got = list(csv.DictReader((monitors / "logs" / "version_0" / "metrics.csv").open()))
     out = tmp_path / "reference"
     reference_run(RUNS["monitors"], out=out)
     want = list(csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open()))
@@ -292,6 +299,10 @@ def test_device_stats_throughput_monitors_and_lambda_callback(results, tmp_path)
         assert float(row["train/samples_per_sec"]) == pytest.approx(2 * float(row["train/device/samples_per_sec"]))
     assert [float(r["train/samples"]) for r in got if r.get("train/samples")] == [8.0 * k for k in range(1, 9)]
     assert _csv_column_of(got, "steps_done") == _csv_column_of(want, "steps_done") == [4.0, 8.0]
+    # enable_autolog_hparams=False: the module's hyper-parameters reach the logger on neither
+    files = [d / "logs" / "version_0" / "hparams.yaml" for d in (monitors, out)]
+    hparams = [yaml.safe_load(f.read_text()) if f.is_file() else None for f in files]
+    assert hparams[0] == hparams[1] and not hparams[0], hparams
 
 
 def _csv_column_of(rows, column):
