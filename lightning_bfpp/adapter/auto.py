@@ -318,7 +318,7 @@ def planned_config(
     best, table = choose(config, module, trainer, machine, given, device, is_global_zero, parallelize, sizes)
     chosen = best.config
     info(f"BFPPStrategy: the planner chose {chosen.describe()}:\n{table}")
-    return replace(config, **chosen.kind.arguments(chosen)), best
+    return replace(config, **config_rules(chosen.schedule).arguments(chosen)), best
 
 
 def resolved_partition(

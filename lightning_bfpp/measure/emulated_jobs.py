@@ -31,6 +31,7 @@ import torch
 
 from lightning_bfpp.measure.emulated import EmulatedModel
 from lightning_bfpp.plan.cluster import Cluster
+from lightning_bfpp.plan.config import config_rules
 from lightning_bfpp.plan.plan import Plan
 
 
@@ -143,7 +144,7 @@ def _train_one(config: Plan, model: EmulatedModel, job: dict[str, Any]) -> dict[
             starts.append(time.perf_counter())
 
     auto = job.get("auto_cluster")
-    arguments = config.kind.arguments(config)  # the strategy arguments that lay the plan out
+    arguments = config_rules(config.schedule).arguments(config)  # the strategy arguments that lay it out
     if auto:
         arguments["pipeline_parallel_size"] = "auto"
     strategy = _imported(job["strategy"])(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_bfpp.plan.mesh import MESH_ORDERS, MeshShape, hybrid_shard_size
 from lightning_bfpp.plan.partition import balance_by_weight, uniform_counts
@@ -325,6 +325,16 @@ class ConfigRules:
     def default_microbatches(self, mesh: MeshShape) -> int:
         """``num_microbatches="auto"``: as many as pipeline ranks, the fewest that keep every rank busy."""
         return mesh.pipeline_parallel_size
+
+    def arguments(self, plan: Plan) -> dict[str, Any]:
+        """The strategy arguments that lay out ``plan`` (what a choice of the planner sets)."""
+        return {
+            "schedule": plan.schedule,
+            "pipeline_parallel_size": plan.pipeline_parallel_size,
+            "stages_per_rank": plan.stages_per_rank,
+            "num_microbatches": plan.num_microbatches,
+            "microbatch_group_size": plan.microbatch_group_size,
+        }
 
     def too_few_layers(self, num_layers: int, p: int, v: int) -> str:
         return (

@@ -54,7 +54,7 @@ bytes each device moved.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -189,182 +189,235 @@ def _run(
     net: Links,
     workspace: list[int],
 ) -> Prediction:
-    p, dp, m = config.pipeline_parallel_size, config.data_parallel_size, config.num_microbatches
-    num_stages = len(stages)
-    sharded = config.sharding != "no_shard"
-    hybrid = config.sharding == HYBRID_SHARD
-    if hybrid:
-        gather_s, reduce_s = net.hybrid_all_gather_s, net.hybrid_reduce_s
-        shard = net.shard_size
-    else:
-        gather_s, reduce_s = net.all_gather_s, net.reduce_scatter_s if sharded else net.all_reduce_s
-        shard = (dp,) * p
-    ranks = [_Rank() for _ in range(p)]
-    spans: list[Span] = []
-    fwd_ready: dict[tuple[int, int], float] = {(0, mb): 0.0 for mb in range(m)}
-    bwd_ready: dict[tuple[int, int], float] = {}
-    fwd_done: dict[tuple[int, int], float] = {}
-    input_grad_done: set[tuple[int, int | None]] = set()  # (stage, micro-batch) whose I ran: its W may run
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    first_backward: dict[int, float] = {}
-    overhead = cluster.action_overhead_s + (cluster.data_parallel_action_overhead_s if dp > 1 else 0.0)
+    simulation = _Simulation(config, schedule, stages, cluster, net)
+    simulation.run()
+    return simulation.prediction(profile, workspace)
 
-    placement = config.placement
 
-    def send(src: int, dst_stage: int, mb: int, at: float, nbytes: int, forward: bool) -> None:
-        dst = placement.rank_of(dst_stage, p)
-        ready = fwd_ready if forward else bwd_ready
+class _Simulation:
+    """One step of ``schedule`` (every rank's lowered actions) on the cluster's clock: each rank runs its actions
+    in order, each action kind by its own handler, until one waits for another rank (an activation, a gradient)."""
+
+    def __init__(
+        self, config: Plan, schedule: dict[int, list[Action]], stages: list[LayerCost], cluster: Cluster, net: Links
+    ) -> None:
+        self.config, self.schedule, self.stages, self.cluster, self.net = config, schedule, stages, cluster, net
+        p, dp, m = config.pipeline_parallel_size, config.data_parallel_size, config.num_microbatches
+        self.p, self.dp = p, dp
+        self.num_stages = len(stages)
+        self.sharded = config.sharding != "no_shard"
+        self.hybrid = config.sharding == HYBRID_SHARD
+        if self.hybrid:
+            self.gather_s, self.reduce_s = net.hybrid_all_gather_s, net.hybrid_reduce_s
+            self.shard = net.shard_size
+        else:
+            self.gather_s = net.all_gather_s
+            self.reduce_s = net.reduce_scatter_s if self.sharded else net.all_reduce_s
+            self.shard = (dp,) * p
+        self.ranks = [_Rank() for _ in range(p)]
+        self.spans: list[Span] = []
+        self.fwd_ready: dict[tuple[int, int], float] = {(0, mb): 0.0 for mb in range(m)}
+        self.bwd_ready: dict[tuple[int, int], float] = {}
+        self.fwd_done: dict[tuple[int, int], float] = {}
+        self.input_grad_done: set[tuple[int, int | None]] = set()  # (stage, micro-batch) whose I ran: its W may run
+        self.link_free: dict[tuple[int, int], float] = defaultdict(float)
+        self.first_backward: dict[int, float] = {}
+        self.overhead = cluster.action_overhead_s + (cluster.data_parallel_action_overhead_s if dp > 1 else 0.0)
+        # the step's host work (Lightning's loop, splitting the batch, capturing the input: ``step_overhead_s``)
+        # comes before the first compute; the first stage's gather is issued before it and runs beside it, as the
+        # runtime prefetches it (Pipeline._prefetch_first_stage)
+        self.prefetched = self.sharded and dp > 1 and config.prefetch_stages > 0
+        for r in self.ranks:
+            r.host = cluster.step_overhead_s
+        # each rank's last reduction, which runs as every rank ends its step (Cluster.last_reduce_slowdown)
+        self.last_reduce = {
+            rank: max((i for i, a in enumerate(actions) if a.kind is REDUCE_GRAD), default=-1)
+            for rank, actions in schedule.items()
+        }
+        # each handler returns False where the action waits for another rank (the rank stops there for now)
+        self.handlers: dict[Any, Callable[[int, _Rank, Action, LayerCost], bool]] = {
+            UNSHARD: self._unshard,
+            RESHARD: self._reshard,
+            F: self._forward,
+            B: self._backward,
+            I: self._backward,
+            W: self._weight_grad,
+            REDUCE_GRAD: self._reduce,
+            WAIT_REDUCE_GRAD: self._wait_reduce,
+        }
+
+    def run(self) -> None:
+        remaining = sum(len(actions) for actions in self.schedule.values())
+        while remaining:
+            progressed = False
+            for rank in range(self.p):
+                r = self.ranks[rank]
+                actions = self.schedule[rank]
+                while r.cursor < len(actions):
+                    a = actions[r.cursor]
+                    handler = self.handlers.get(a.kind)
+                    if handler is not None and not handler(rank, r, a, self.stages[a.stage]):
+                        break
+                    r.cursor += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise ValueError(f"{self.config.describe()}: the schedule cannot make progress (a deadlock)")
+
+    # -- transfers and waits ----------------------------------------------------------------------------------
+
+    def _send(self, src: int, dst_stage: int, mb: int, at: float, nbytes: int, forward: bool) -> None:
+        dst = self.config.placement.rank_of(dst_stage, self.p)
+        ready = self.fwd_ready if forward else self.bwd_ready
         if dst == src:
             ready[(dst_stage, mb)] = at
             return
         link = (src, dst)
-        start = max(at, link_free[link])
-        arrival = start + net.p2p_s(src, dst, nbytes)
-        link_free[link] = arrival
+        start = max(at, self.link_free[link])
+        arrival = start + self.net.p2p_s(src, dst, nbytes)
+        self.link_free[link] = arrival
         ready[(dst_stage, mb)] = arrival
-        ranks[src].comm_bytes += nbytes
+        self.ranks[src].comm_bytes += nbytes
 
-    def wait_compute(rank: int, r: _Rank, stage: int, ready: float) -> float:
-        start = max(r.host, ready, r.gathered.get(stage, 0.0) if sharded else 0.0)
+    def _wait_compute(self, rank: int, r: _Rank, stage: int, ready: float) -> float:
+        start = max(r.host, ready, r.gathered.get(stage, 0.0) if self.sharded else 0.0)
         if ready > r.host:
-            spans.append(Span(rank, "p2p_wait", r.host, min(ready, start)))
+            self.spans.append(Span(rank, "p2p_wait", r.host, min(ready, start)))
             r.pipeline_wait += min(ready, start) - r.host
         gather_end = r.gathered.get(stage, 0.0)
-        if sharded and gather_end > max(r.host, ready):
-            spans.append(Span(rank, "gather_wait", max(r.host, ready), gather_end, stage))
+        if self.sharded and gather_end > max(r.host, ready):
+            self.spans.append(Span(rank, "gather_wait", max(r.host, ready), gather_end, stage))
         return start
 
-    # the step's host work (Lightning's loop, splitting the batch, capturing the input: ``step_overhead_s``)
-    # comes before the first compute; the first stage's gather is issued before it and runs beside it, as the
-    # runtime prefetches it (Pipeline._prefetch_first_stage)
-    prefetched = sharded and dp > 1 and config.prefetch_stages > 0
-    for r in ranks:
-        r.host = cluster.step_overhead_s
-    remaining = sum(len(actions) for actions in schedule.values())
-    # each rank's last reduction, which runs as every rank ends its step (Cluster.last_reduce_slowdown)
-    last_reduce = {
-        rank: max((i for i, a in enumerate(actions) if a.kind is REDUCE_GRAD), default=-1)
-        for rank, actions in schedule.items()
-    }
-    while remaining:
-        progressed = False
-        for rank in range(p):
-            r = ranks[rank]
-            actions = schedule[rank]
-            while r.cursor < len(actions):
-                a = actions[r.cursor]
-                cost = stages[a.stage]
-                if a.kind is UNSHARD:
-                    if sharded:
-                        first = not r.gathered
-                        start = r.dp_free if prefetched and first else max(r.host, r.dp_free)
-                        slowdown = cluster.first_gather_slowdown if first else 1.0
-                        end = start + slowdown * gather_s(rank, cost.param_bytes)
-                        r.dp_free = r.gathered[a.stage] = end
-                        spans.append(Span(rank, "gather", start, end, a.stage))
-                        r.comm_bytes += int(cost.param_bytes * (shard[rank] - 1) / shard[rank])
-                        r.memory.append((start, cost.param_bytes))
-                    r.host += overhead
-                elif a.kind is RESHARD:
-                    if sharded:
-                        r.memory.append((r.host, -cost.param_bytes))
-                    r.host += overhead
-                elif a.kind is F:
-                    key = (a.stage, a.microbatch)
-                    if key not in fwd_ready:
-                        break
-                    start = wait_compute(rank, r, a.stage, fwd_ready[key])
-                    end = start + cost.forward_s + overhead
-                    spans.append(Span(rank, "forward", start, end, a.stage, a.microbatch))
-                    r.host = fwd_done[key] = end
-                    # what autograd saves, and (but on the last stage) the output torch's stage keeps until the backward
-                    r.hold(end, cost.saved_bytes + (cost.output_bytes if a.stage + 1 < num_stages else 0))
-                    if a.stage + 1 < num_stages:
-                        send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
-                    else:
-                        bwd_ready[key] = end
-                elif a.kind in (B, I):
-                    key = (a.stage, a.microbatch)
-                    if key not in bwd_ready or key not in fwd_done:
-                        break
-                    start = wait_compute(rank, r, a.stage, bwd_ready[key])
-                    if sharded and a.stage not in first_backward:
-                        first_backward[a.stage] = start
-                        r.memory.append((start, cost.param_bytes))  # unsharded gradient buffer
-                    # stage 0 has no input gradient: torch's runtime runs its whole backward in the W
-                    split = 0.0 if a.stage == 0 else cost.input_grad_s
-                    end = start + (cost.backward_s if a.kind is B else split) + overhead
-                    spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
-                    r.host = end
-                    kept_output = cost.output_bytes if a.stage + 1 < num_stages else 0  # released by B and I
-                    if a.kind is B:
-                        r.hold(end, -cost.saved_bytes - kept_output)
-                    else:
-                        input_grad_done.add(key)  # the activations stay for the W, and what the I keeps for it
-                        kept = cost.intermediate_grad_bytes if a.stage > 0 else 0  # stage 0's W is its whole backward
-                        r.hold(end, kept - kept_output)
-                    if a.stage > 0:
-                        send(rank, a.stage - 1, a.microbatch, end, stages[a.stage - 1].output_bytes, forward=False)
-                elif a.kind is W:
-                    if (a.stage, a.microbatch) not in input_grad_done:
-                        break
-                    start = wait_compute(rank, r, a.stage, r.host)  # waits for nothing but the stage's gather
-                    end = start + (cost.backward_s if a.stage == 0 else cost.weight_grad_s) + overhead
-                    spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
-                    r.host = end
-                    r.hold(end, -cost.saved_bytes - (cost.intermediate_grad_bytes if a.stage > 0 else 0))
-                elif a.kind is REDUCE_GRAD:
-                    start = max(r.host, r.dp_free)
-                    if dp > 1:
-                        slowdown = cluster.last_reduce_slowdown if r.cursor == last_reduce[rank] else 1.0
-                        end = start + slowdown * reduce_s(rank, cost.param_bytes)
-                        if hybrid:
-                            n_s, n_r = shard[rank], net.replicate_size[rank]
-                            moved = (n_s - 1) / n_s + 2 * (n_r - 1) / n_r / n_s
-                        else:
-                            moved = (dp - 1) / dp * (1 if sharded else 2)
-                        r.comm_bytes += int(cost.param_bytes * moved)
-                    else:
-                        end = start
-                    spans.append(Span(rank, "reduce", start, end, a.stage))
-                    r.dp_free = r.reduced[a.stage] = end
-                    r.host = r.host + overhead if cluster.overlap_reductions else end + overhead
-                    if sharded:
-                        r.memory.append((end, -cost.param_bytes))
-                elif a.kind is WAIT_REDUCE_GRAD:
-                    # the host goes on once the stage's reduction is done (a blocking one already is); no action
-                    # cost: the wait's own host time is within the calibrated cost of its REDUCE_GRAD
-                    done = r.reduced.get(a.stage, 0.0)
-                    if done > r.host:
-                        spans.append(Span(rank, "reduce_wait", r.host, done, a.stage))
-                        r.host = done
-                r.cursor += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"{config.describe()}: the schedule cannot make progress (a deadlock)")
+    # -- one handler per action kind ----------------------------------------------------------------------------
 
-    pipeline_end = max(max(r.host, r.dp_free) for r in ranks)
-    local_bytes = [sum(stages[s].param_bytes for s in config.stages_of(rank)) for rank in range(p)]
-    held = [b / shard[rank] if sharded else b for rank, b in enumerate(local_bytes)]
-    optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
-    step_time = pipeline_end + optimizer_s
-    for rank, r in enumerate(ranks):
-        end = max(r.host, r.dp_free)
-        if end < pipeline_end:
-            spans.append(Span(rank, "step_sync", end, pipeline_end))
-            r.pipeline_wait += pipeline_end - end
-        spans.append(Span(rank, "optimizer", pipeline_end, pipeline_end + optimizer_s))
-    peaks = []
-    for rank, r in enumerate(ranks):
-        static = held[rank] * (2 + profile.optimizer_state_ratio)  # weights, gradients, optimizer state
-        peaks.append(int(static + _peak(r.memory) + workspace[rank]))
-    bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
-    return Prediction(
-        config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans,
-        memory_events=[sorted(r.memory) for r in ranks],
-        activation_peaks=[_peak(r.activations) + workspace[rank] for rank, r in enumerate(ranks)],
-    )  # fmt: skip
+    def _unshard(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        if self.sharded:
+            first = not r.gathered
+            start = r.dp_free if self.prefetched and first else max(r.host, r.dp_free)
+            slowdown = self.cluster.first_gather_slowdown if first else 1.0
+            end = start + slowdown * self.gather_s(rank, cost.param_bytes)
+            r.dp_free = r.gathered[a.stage] = end
+            self.spans.append(Span(rank, "gather", start, end, a.stage))
+            r.comm_bytes += int(cost.param_bytes * (self.shard[rank] - 1) / self.shard[rank])
+            r.memory.append((start, cost.param_bytes))
+        r.host += self.overhead
+        return True
+
+    def _reshard(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        if self.sharded:
+            r.memory.append((r.host, -cost.param_bytes))
+        r.host += self.overhead
+        return True
+
+    def _forward(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        key = (a.stage, a.microbatch)
+        if key not in self.fwd_ready:
+            return False
+        start = self._wait_compute(rank, r, a.stage, self.fwd_ready[key])
+        end = start + cost.forward_s + self.overhead
+        self.spans.append(Span(rank, "forward", start, end, a.stage, a.microbatch))
+        r.host = self.fwd_done[key] = end
+        # what autograd saves, and (but on the last stage) the output torch's stage keeps until the backward
+        last = a.stage + 1 == self.num_stages
+        r.hold(end, cost.saved_bytes + (0 if last else cost.output_bytes))
+        if not last:
+            self._send(rank, a.stage + 1, a.microbatch, end, cost.output_bytes, forward=True)
+        else:
+            self.bwd_ready[key] = end
+        return True
+
+    def _backward(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        """A whole backward (``B``) or its input-gradient half (``I``)."""
+        key = (a.stage, a.microbatch)
+        if key not in self.bwd_ready or key not in self.fwd_done:
+            return False
+        start = self._wait_compute(rank, r, a.stage, self.bwd_ready[key])
+        if self.sharded and a.stage not in self.first_backward:
+            self.first_backward[a.stage] = start
+            r.memory.append((start, cost.param_bytes))  # unsharded gradient buffer
+        # stage 0 has no input gradient: torch's runtime runs its whole backward in the W
+        split = 0.0 if a.stage == 0 else cost.input_grad_s
+        end = start + (cost.backward_s if a.kind is B else split) + self.overhead
+        self.spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
+        r.host = end
+        kept_output = cost.output_bytes if a.stage + 1 < self.num_stages else 0  # released by B and I
+        if a.kind is B:
+            r.hold(end, -cost.saved_bytes - kept_output)
+        else:
+            self.input_grad_done.add(key)  # the activations stay for the W, and what the I keeps for it
+            kept = cost.intermediate_grad_bytes if a.stage > 0 else 0  # stage 0's W is its whole backward
+            r.hold(end, kept - kept_output)
+        if a.stage > 0:
+            self._send(rank, a.stage - 1, a.microbatch, end, self.stages[a.stage - 1].output_bytes, forward=False)
+        return True
+
+    def _weight_grad(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        if (a.stage, a.microbatch) not in self.input_grad_done:
+            return False
+        start = self._wait_compute(rank, r, a.stage, r.host)  # waits for nothing but the stage's gather
+        end = start + (cost.backward_s if a.stage == 0 else cost.weight_grad_s) + self.overhead
+        self.spans.append(Span(rank, "backward", start, end, a.stage, a.microbatch))
+        r.host = end
+        r.hold(end, -cost.saved_bytes - (cost.intermediate_grad_bytes if a.stage > 0 else 0))
+        return True
+
+    def _reduce(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        start = max(r.host, r.dp_free)
+        dp = self.dp
+        if dp > 1:
+            slowdown = self.cluster.last_reduce_slowdown if r.cursor == self.last_reduce[rank] else 1.0
+            end = start + slowdown * self.reduce_s(rank, cost.param_bytes)
+            if self.hybrid:
+                n_s, n_r = self.shard[rank], self.net.replicate_size[rank]
+                moved = (n_s - 1) / n_s + 2 * (n_r - 1) / n_r / n_s
+            else:
+                moved = (dp - 1) / dp * (1 if self.sharded else 2)
+            r.comm_bytes += int(cost.param_bytes * moved)
+        else:
+            end = start
+        self.spans.append(Span(rank, "reduce", start, end, a.stage))
+        r.dp_free = r.reduced[a.stage] = end
+        r.host = r.host + self.overhead if self.cluster.overlap_reductions else end + self.overhead
+        if self.sharded:
+            r.memory.append((end, -cost.param_bytes))
+        return True
+
+    def _wait_reduce(self, rank: int, r: _Rank, a: Action, cost: LayerCost) -> bool:
+        # the host goes on once the stage's reduction is done (a blocking one already is); no action cost: the
+        # wait's own host time is within the calibrated cost of its REDUCE_GRAD
+        done = r.reduced.get(a.stage, 0.0)
+        if done > r.host:
+            self.spans.append(Span(rank, "reduce_wait", r.host, done, a.stage))
+            r.host = done
+        return True
+
+    # -- the step's end -------------------------------------------------------------------------------------
+
+    def prediction(self, profile: ModelProfile, workspace: list[int]) -> Prediction:
+        """The step time (the pipeline's end, then the optimizer on the largest shard), memory peaks, traffic."""
+        config, stages, ranks, spans, p = self.config, self.stages, self.ranks, self.spans, self.p
+        pipeline_end = max(max(r.host, r.dp_free) for r in ranks)
+        local_bytes = [sum(stages[s].param_bytes for s in config.stages_of(rank)) for rank in range(p)]
+        held = [b / self.shard[rank] if self.sharded else b for rank, b in enumerate(local_bytes)]
+        optimizer_s = max(profile.optimizer_s_per_byte * h for h in held)
+        step_time = pipeline_end + optimizer_s
+        for rank, r in enumerate(ranks):
+            end = max(r.host, r.dp_free)
+            if end < pipeline_end:
+                spans.append(Span(rank, "step_sync", end, pipeline_end))
+                r.pipeline_wait += pipeline_end - end
+            spans.append(Span(rank, "optimizer", pipeline_end, pipeline_end + optimizer_s))
+        peaks = []
+        for rank, r in enumerate(ranks):
+            static = held[rank] * (2 + profile.optimizer_state_ratio)  # weights, gradients, optimizer state
+            peaks.append(int(static + _peak(r.memory) + workspace[rank]))
+        bubble = sum(r.pipeline_wait for r in ranks) / (p * step_time)
+        return Prediction(
+            config, step_time, bubble, max(peaks), max(r.comm_bytes for r in ranks), spans,
+            memory_events=[sorted(r.memory) for r in ranks],
+            activation_peaks=[_peak(r.activations) + workspace[rank] for rank, r in enumerate(ranks)],
+        )  # fmt: skip
 
 
 def _peak(events: list[tuple[float, int]]) -> int:

@@ -25,7 +25,7 @@ adding one.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from lightning_bfpp.plan.actions import Action, F, Kind, Schedule, add_sharding_actions
 from lightning_bfpp.plan.placement import LOOP, StagePlacement
@@ -146,16 +146,6 @@ class ScheduleKind:
         )  # fmt: skip
 
     # -- naming ----------------------------------------------------------------------------------------------
-
-    def arguments(self, plan: PlanView) -> dict[str, Any]:
-        """The strategy arguments that lay out ``plan`` (what a choice of the planner sets)."""
-        return {
-            "schedule": self.name,
-            "pipeline_parallel_size": plan.pipeline_parallel_size,
-            "stages_per_rank": plan.stages_per_rank,
-            "num_microbatches": plan.num_microbatches,
-            "microbatch_group_size": plan.microbatch_group_size,
-        }
 
     def describe(self, plan: PlanView) -> str:
         """One line naming the plan (logs, tables, trace titles)."""

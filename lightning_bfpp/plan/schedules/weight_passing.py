@@ -358,10 +358,6 @@ class WeightPassing(ScheduleKind):
         )  # fmt: skip
         return reduce_every_visit(fetched)
 
-    def arguments(self, plan: PlanView) -> dict[str, Any]:
-        # the chunks follow the world size; only the micro-batches are the planner's to set
-        return {"schedule": self.name, "pipeline_parallel_size": 1, "num_microbatches": plan.num_microbatches}
-
     def describe(self, plan: PlanView) -> str:
         staggered = options_of(plan).describe()
         return (
@@ -374,6 +370,10 @@ class WeightPassingConfig(ConfigRules):
     """The arguments weight passing fixes: one chunk per rank, every rank its own replica."""
 
     tensor_parallel = False
+
+    def arguments(self, plan: Plan) -> dict[str, Any]:
+        # the chunks follow the world size; only the micro-batches are the planner's to set
+        return {"schedule": plan.schedule, "pipeline_parallel_size": 1, "num_microbatches": plan.num_microbatches}
 
     def check_config(self, config: PipelineConfig) -> None:
         fixed = {
