@@ -206,9 +206,9 @@ def _load_sharded(
         if not optimizer.param_groups:  # nothing that trains on this rank: no state to read
             optimizer_keys.append(None)
             continue
-        _drop_unsaved_group_entries(optimizer, module, index, optimizer_key(i), aliases)
         osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
         request, keys = to_canonical(osd, aliases, optimizer=True)
+        request, keys = _drop_unsaved_group_entries(optimizer, request, keys, index, optimizer_key(i))
         if not any(key.startswith(f"{optimizer_key(i)}.state.") for key in index):
             # saved before its first step (see optimizer_state): read the groups; the state is emptied after
             live_states[i] = {k: v for k, v in osd.items() if k.startswith("state.")}
@@ -236,23 +236,26 @@ def _load_sharded(
 
 def _drop_unsaved_group_entries(
     optimizer: torch.optim.Optimizer,
-    module: nn.Module,
+    request: dict[str, Any],
+    keys: dict[str, str],
     index: Mapping[str, Any],
     prefix: str,
-    aliases: Mapping[str, str],
-) -> None:
-    """Remove the parameter-group entries the checkpoint does not hold (an ``initial_lr`` that a scheduler added
-    after the save, as Lightning's learning-rate finder does before restoring its checkpoint): DCP would ask
-    for them and fail, while ``Optimizer.load_state_dict`` on one device replaces the groups with the saved
-    ones, which drops them the same way."""
-    osd = get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
-    request, _ = to_canonical(osd, aliases, optimizer=True)
-    unsaved = {
-        key.rsplit(".", 1)[1] for key in request if key.startswith("param_groups.") and f"{prefix}.{key}" not in index
-    }
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The load request and its keys without the parameter-group entries the checkpoint does not hold (an
+    ``initial_lr`` that a scheduler added after the save, as Lightning's learning-rate finder does before restoring
+    its checkpoint), each also removed from the optimizer's groups: DCP would ask for them and fail, while
+    ``Optimizer.load_state_dict`` on one device replaces the groups with the saved ones, which drops them the same
+    way."""
+    unsaved = {key for key in request if key.startswith("param_groups.") and f"{prefix}.{key}" not in index}
+    entries = {key.rsplit(".", 1)[1] for key in unsaved} - {"params"}
+    if not entries:
+        return request, keys
     for group in optimizer.param_groups:
-        for entry in unsaved - {"params"}:
+        for entry in entries:
             group.pop(entry, None)
+    dropped = {key for key in unsaved if key.rsplit(".", 1)[1] in entries}
+    request = {k: v for k, v in request.items() if k not in dropped}
+    return request, {key: canonical for key, canonical in keys.items() if canonical not in dropped}
 
 
 def read_whole(folder: Path, *, weights_only: bool | None = None) -> dict[str, Any]:
