@@ -11,7 +11,9 @@ holds the activations of all its micro-batches at once. This script measures, pe
 
     python benchmarks/activation_memory.py            # both settings, prints a markdown table
 
-Each setting runs in its own 2-process job (p=2, dp=1, v=2, m=8) on CPU.
+Each setting runs in its own 2-process job (p=2, dp=1, v=2, m=8) on CPU, its ranks started by the package's
+launcher (``lightning_bfpp.measure.launcher``) as new interpreters with one intra-op thread each, so a rank's RSS
+is its own; their output goes to ``OUT/logs/recompute<N>/rank<R>.log``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bfpp  # noqa: F401
 from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.measure import launcher
 from lightning_bfpp.measure.emulated import LayerStack
 
 SEQ, WIDTH, BLOCKS, MICROBATCH = 128, 256, 16, 16
@@ -101,6 +102,7 @@ def _rss_bytes() -> int:
 
 
 def train(recompute: bool, out: Path) -> None:
+    """One rank of a setting's 2-process job: trains, then writes its measurements to ``out``."""
     torch.manual_seed(0)
     steps, m = 3, 8
     data = TensorDataset(
@@ -124,20 +126,28 @@ def train(recompute: bool, out: Path) -> None:
     (out / f"recompute{int(recompute)}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _train_rank(rank: int, recompute: bool, out: str) -> None:
+    """A rank started by the launcher (Lightning reads its rank from the launcher's environment)."""
+    train(recompute, Path(out))
+
+
+def run_setting(recompute: bool, out: Path) -> None:
+    """One setting's job on 2 new interpreters (a forked rank would start from this process's memory)."""
+    target = "benchmarks.activation_memory:_train_rank"
+    folder = out / "logs" / f"recompute{int(recompute)}"
+    result = launcher.launch(target, 2, folder, args=(recompute, str(out)), start="spawn")
+    if not result.ok:
+        raise RuntimeError(f"the job with recompute={recompute} failed: {result.report()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recompute", type=int, choices=[0, 1], help="run one setting (used internally)")
     parser.add_argument("--out", default="runs/activation_memory")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the ranks write there too
     out.mkdir(parents=True, exist_ok=True)
-    if args.recompute is not None:
-        train(bool(args.recompute), out)
-        return
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    for recompute in (0, 1):
-        cmd = [sys.executable, __file__, "--recompute", str(recompute), "--out", str(out)]
-        subprocess.run(cmd, check=True, env=env)
+    for recompute in (False, True):
+        run_setting(recompute, out)
     print(f"p=2, v=2, m=8 micro-batches of {MICROBATCH}×{SEQ}×{WIDTH}, {BLOCKS} blocks (8 per rank), fp32\n")
     print("| activation checkpointing | rank | saved for backward (MiB) | RSS growth (MiB) |")
     print("|---|---|---|---|")

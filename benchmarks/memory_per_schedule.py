@@ -4,7 +4,10 @@
     python -m benchmarks.memory_per_schedule --schedules breadth_first,zbv
 
 The model is the example GPT (``examples/train_gpt.py``), trained through ``BFPPStrategy`` on 2 CPU processes
-(p=2, dp=1, ``m`` micro-batches; two stages per rank, one for the non-looped schedules), fp32, AdamW.
+(p=2, dp=1, ``m`` micro-batches; two stages per rank, one for the non-looped schedules), fp32, AdamW. Each
+schedule is its own job, its ranks started by the package's launcher (``lightning_bfpp.measure.launcher``) as new
+interpreters with one intra-op thread each, so no rank inherits another process's memory; their output goes to
+``OUT/logs/SCHEDULE/rank<R>.log``.
 
 *Measured*, per rank, over the third training step: the most host memory held at once beyond what the step
 started with (malloc's bytes in use, read at the end of every schedule action: torch's runtime opens a named
@@ -22,9 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,10 @@ import lightning_bfpp  # noqa: F401
 from examples.train_gpt import GPT, SortDigits
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.adapter.user_step import training_step_input
+from lightning_bfpp.measure import launcher
 from lightning_bfpp.measure.profile import profile_module
 from lightning_bfpp.plan import Cluster, Plan, get_schedule, schedule_names, simulate
 
-REPO = Path(__file__).resolve().parents[1]
 GPT_ARGS = dict(layers=8, dim=128, heads=4, block_size=16)
 MICROBATCH, P, STEPS = 32, 2, 3
 PIPELINE_SCHEDULES = tuple(n for n in schedule_names() if get_schedule(n).runner == "stages")
@@ -107,7 +107,7 @@ def plan_for(schedule: str, m: int) -> Plan:
 
 
 def measure(schedule: str, m: int, out: Path) -> None:
-    """One schedule in its own 2-process job (Lightning starts the second process)."""
+    """One rank of a schedule's 2-process job: trains, then writes its peak to ``out``."""
     torch.manual_seed(0)
     plan = plan_for(schedule, m)
     probe = ActivationPeak(step=STEPS - 1)
@@ -130,6 +130,20 @@ def measure(schedule: str, m: int, out: Path) -> None:
     (out / f"{schedule}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+def _measure_rank(rank: int, schedule: str, m: int, out: str) -> None:
+    """A rank started by the launcher (Lightning reads its rank from the launcher's environment)."""
+    measure(schedule, m, Path(out))
+
+
+def run_schedule(schedule: str, m: int, out: Path) -> None:
+    """``schedule``'s job on ``P`` new interpreters (a forked rank would start from this process's memory)."""
+    target = "benchmarks.memory_per_schedule:_measure_rank"
+    folder = out / "logs" / schedule
+    result = launcher.launch(target, P, folder, args=(schedule, m, str(out)), start="spawn")
+    if not result.ok:
+        raise RuntimeError(f"the {schedule} job failed: {result.report()}")
+
+
 def predict(schedules: list[str], m: int, counts: dict[str, list[int]]) -> dict[str, list[int]]:
     torch.manual_seed(0)
     module = GPT(**GPT_ARGS)
@@ -150,20 +164,12 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(PIPELINE_SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--out", default="runs/memory_per_schedule")
-    parser.add_argument("--one", help="run one schedule's job (used internally)")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the ranks write there too
     out.mkdir(parents=True, exist_ok=True)
-    if args.one:
-        measure(args.one, args.microbatches, out)
-        return
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for schedule in schedules:
-        cmd = [sys.executable, "-m", "benchmarks.memory_per_schedule", "--one", schedule,
-               "--microbatches", str(args.microbatches), "--out", str(out)]  # fmt: skip
-        subprocess.run(cmd, check=True, env=env, cwd=REPO)
+        run_schedule(schedule, args.microbatches, out)
     measured = {s: [json.loads((out / f"{s}_rank{r}.json").read_text()) for r in range(P)] for s in schedules}
     counts = {s: measured[s][0]["counts"] for s in schedules}
     predicted = predict(schedules, args.microbatches, counts)

@@ -1,6 +1,10 @@
 """What every test module shares: the repository root, the environment a launched script gets, the
 ``distributed`` marker for whatever lives in ``tests/distributed/``, and torch's process-wide flags put back.
 
+Every temporary file of a session, its launched processes' included, lives under one folder that is removed
+when the session passes (kept, and named, when it fails): a run of the suite writes a few GiB of checkpoints and
+pretrained folders, which must not pile up on a CI machine's disk.
+
 Markers are declared in ``pyproject.toml``. The tiers (README, ``.ci/run``): ``-m "not distributed"`` is the
 pure half; ``tests/benchmarks/`` tests the benchmark code's own logic without timing anything.
 """
@@ -8,6 +12,8 @@ pure half; ``tests/benchmarks/`` tests the benchmark code's own logic without ti
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +24,32 @@ REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTED = REPO / "tests" / "distributed"
 # what a launcher sets in each process it starts; a script started from a test must not inherit them
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+_SCRATCH_VARIABLE = "BFPP_TEST_SCRATCH"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point ``tempfile`` (this process's, and through ``TMPDIR`` every process it starts) at a fresh scratch
+    folder, before any test module is imported: modules that build a pretrained folder at import take it there."""
+    if _SCRATCH_VARIABLE in os.environ:  # a nested pytest (a test that runs pytest) writes under its parent's
+        return
+    scratch = tempfile.mkdtemp(prefix="bfpp-tests-")
+    os.environ[_SCRATCH_VARIABLE] = os.environ["TMPDIR"] = tempfile.tempdir = scratch
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scratch = os.environ.get(_SCRATCH_VARIABLE)
+    if scratch is None or tempfile.tempdir != scratch:
+        return
+    if getattr(config, "_bfpp_failed", False):
+        print(f"\ntemporary files of this run kept for its failures: {scratch}")
+        return
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config._bfpp_failed = exitstatus not in (0, 5) or session.testsfailed > 0  # type: ignore[attr-defined]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

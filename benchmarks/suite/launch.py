@@ -1,11 +1,12 @@
-"""Run a job as real processes, forked from this already-importing parent, and collect their records.
+"""Run a job as real processes, forked from this already-importing parent by the package's launcher
+(:mod:`lightning_bfpp.measure.launcher`), and collect their records.
 
 Forking saves each process importing torch and Lightning again (3–4 s of CPU each, 8 s for four processes
 on two cores, per job); the parent only imports and never runs a tensor operation or a process group, so
 no thread pool or communicator is inherited. Every process is a full participant: gloo over 127.0.0.1 for
 the hand-driven jobs, Lightning's own process-group setup (told by ``LOCAL_RANK`` that the processes exist
 already) for the Lightning jobs. A job that fails on one rank leaves the others waiting in a collective:
-after the first failure the rest get a few seconds, then are killed, by their own process ids.
+after the first failure the rest get a few seconds, then are killed.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing as mp
-import os
-import socket
-import sys
-import time
-import traceback
 from pathlib import Path
 from threading import Barrier
 from typing import Any
 
 from benchmarks.suite import instrument, workers
 from benchmarks.suite.spec import Job
+from lightning_bfpp.measure import launcher
 
 GRACE_AFTER_FAILURE_S = 5.0
 
@@ -53,76 +50,40 @@ def keep_freed_memory() -> None:
     mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(job: Job, folder: Path) -> list[dict[str, Any]]:
-    """Run ``job`` on ``job.processes`` fresh processes; one record per rank (``{"error": ...}`` if it failed)."""
+    """Run ``job`` on ``job.processes`` processes forked from this one (the package's launcher); one record per
+    rank (``{"error": ...}`` if it failed: the launcher's reason and the rank's last log line)."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("rank*.json"):
         stale.unlink()
-    ctx = mp.get_context("fork")
-    port = free_port()
-    barrier = ctx.Barrier(job.processes) if job.kind in ("independent", "stage_compute") else None
-    processes = [
-        ctx.Process(target=_child, args=(job.to_json(), rank, port, str(folder), barrier), name=f"{job.name}:{rank}")
-        for rank in range(job.processes)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + job.timeout_s
-    reason = ""
-    while any(p.is_alive() for p in processes):
-        failed = [p for p in processes if p.exitcode not in (None, 0)]
-        if failed and not reason:
-            reason = f"rank {processes.index(failed[0])} failed"
-            deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
-        if time.monotonic() > deadline:
-            reason = reason or f"timed out after {job.timeout_s:.0f} s"
-            for p in processes:
-                if p.is_alive() and p.pid is not None:
-                    p.kill()
-            break
-        time.sleep(0.05)
-    for p in processes:
-        p.join()
+    barrier = mp.get_context("fork").Barrier(job.processes) if job.kind in ("independent", "stage_compute") else None
+    result = launcher.launch(
+        _child, job.processes, folder, args=(job.to_json(), str(folder), barrier), timeout_s=job.timeout_s,
+        grace_after_failure_s=GRACE_AFTER_FAILURE_S,
+    )  # fmt: skip
     records = []
     for rank in range(job.processes):
         path = folder / f"rank{rank}.json"
         if path.exists():
             records.append(json.loads(path.read_text()))
         else:
-            log = folder / f"rank{rank}.log"
-            tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-            records.append({"error": reason or "no record written", "log_tail": tail})
+            tail = result.log(rank).strip().splitlines()[-1:]
+            records.append({"error": result.reason or "no record written", "log_tail": tail})
     return records
 
 
-def _child(job_json: str, rank: int, port: int, folder: str, barrier: Barrier | None) -> None:
+def _child(rank: int, job_json: str, folder: str, barrier: Barrier | None) -> None:
+    """One rank of a job (its output goes to ``rank<R>.log``); writes ``rank<R>.json``, an error record if it
+    raised (then it exits with 1, and the launcher stops the others)."""
     out = Path(folder)
-    log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     job = Job.from_json(job_json)
     keep_freed_memory()
-    workers.child_environment(rank, port)
     instrument.install()
-    import torch
-
-    torch.set_num_threads(1)
     try:
         record = workers.run(job, rank, barrier)
     except BaseException as error:
-        traceback.print_exc()
         summary = f"{type(error).__name__}: {error}".strip().splitlines()
         record = {"error": summary[0] if summary else type(error).__name__, "detail": summary[1:6]}
         (out / f"rank{rank}.json").write_text(json.dumps(record))
-        sys.stdout.flush()
-        os._exit(1)
+        raise
     (out / f"rank{rank}.json").write_text(json.dumps(record))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no inherited exit handlers; Lightning and gloo have torn down what they started

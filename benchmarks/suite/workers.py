@@ -30,7 +30,6 @@ hand-driven and torch workers return their timed steps' spans in their records (
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -389,11 +388,3 @@ def _stage_compute(job: Job, rank: int, barrier: Barrier | None) -> dict[str, An
 def _finish() -> None:
     dist.barrier()  # nobody leaves while a neighbour still waits for its last transfer
     dist.destroy_process_group()
-
-
-def child_environment(rank: int, port: int) -> None:
-    """What every launcher sets: Lightning sees processes created externally (``LOCAL_RANK``), gloo the rest,
-    and one thread per process (Lightning would otherwise pick ``cores // processes``)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1"
-    )

@@ -1,12 +1,11 @@
-"""Every private torch and ``transformers`` name lightning_bfpp relies on, in one place, importable without Lightning.
+"""Every private torch name lightning_bfpp relies on, in one place, importable without Lightning.
 
 torch's pipelining runtime only accepts custom schedules through private names (its own docs call the
 area alpha and say the CSV loader "will most likely get renamed"). Importing and touching them here, and
 only here, means a torch upgrade breaks one file, and ``tests/unit/test_compat.py`` says which name moved
 (it runs a real ``_PipelineScheduleRuntime`` and checks that torch reads what this module writes). The
 versions in ``pyproject.toml`` are the ones those tests pass on. The few ``transformers`` internals the
-Hugging Face adapter needs are reached through the objects it passes in, so this module does not import
-``transformers`` (an optional dependency).
+Hugging Face adapter needs live beside it (:mod:`lightning_bfpp.integrations.huggingface._compat`).
 
 The engine modules (``runtime``, ``microbatch``, ``sharding``, ``checkpoint``, ``layers``, ``trace``, ``tied``)
 import only this file for private names, so they import without Lightning: this module imports neither
@@ -461,41 +460,6 @@ def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
-def attn_implementation(config: Any) -> str | None:
-    """The attention implementation a ``transformers`` config selects (``"sdpa"``, ``"eager"``, …).
-
-    ``transformers`` has a public setter (``PreTrainedModel.set_attn_implementation``) but no public getter.
-    """
-    return config._attn_implementation
-
-
-def init_weights_as_model(model_class: type, config: Any, modules: Sequence[nn.Module]) -> None:
-    """Initialize ``modules`` in order with ``model_class``'s own ``_init_weights``, as ``model_class(config)``
-    does, without building the model (its other modules may be on the meta device or on other ranks)."""
-    initializer = model_class.__new__(model_class)
-    nn.Module.__init__(initializer)
-    initializer.config = config
-    with torch.no_grad():
-        for module in modules:
-            initializer._init_weights(module)
-
-
-def model_tp_plan(model: Any) -> dict[str, str]:
-    """A ``transformers`` ``*ForCausalLM``'s whole tensor-parallel plan, keyed by module paths inside it with the
-    base model's written ``model.`` (``transformers`` names it ``base_model_prefix``: ``model``, ``gpt_neox``).
-
-    ``transformers`` ≥ 5 resolves the plan on the model (``model.tp_plan``): the class's own ``_tp_plan`` (the
-    LM head), the config's ``base_model_tp_plan``, and a vocabulary-parallel ``embed_tokens``
-    (``embedding_rowwise``) that the base model adds whenever it has a plan. Older versions keep only the
-    first two, which are read directly."""
-    prefix = getattr(model, "base_model_prefix", "model") or "model"
-    plan = getattr(model, "tp_plan", None)
-    if not isinstance(plan, dict):
-        base = getattr(model.config, "base_model_tp_plan", None) or {}
-        plan = {**dict(getattr(type(model), "_tp_plan", None) or {}), **{f"{prefix}.{k}": v for k, v in base.items()}}
-    return {("model." + k[len(prefix) + 1 :] if k.startswith(prefix + ".") else k): v for k, v in plan.items()}
-
-
 # names of collective ops (functional and c10d spellings); not waits or autograd wrappers
 _COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all", "alltoall",
                 "broadcast")  # fmt: skip
@@ -584,7 +548,6 @@ __all__ = [
     "TorchAction",
     "TorchKind",
     "add_send_recv",
-    "attn_implementation",
     "backward_input",
     "backward_weight",
     "buffer_slots",
@@ -594,7 +557,6 @@ __all__ = [
     "fsdp_finish_backward",
     "fsdp_post_backward",
     "hooked_runtime",
-    "init_weights_as_model",
     "instance_attributes",
     "kept_for_weight_pass",
     "parameter_slots",

@@ -1,12 +1,12 @@
 """Emulated models (:mod:`~lightning_bfpp.measure.emulated`) trained with Lightning, each job in processes of its own.
 
-:func:`run_emulated_many` starts ``python -m lightning_bfpp.measure.emulated_jobs`` with the job as JSON; in that
-child Lightning starts the other processes, every process trains the job's runs in the same order
+:func:`run_emulated_many` starts the job's processes with the package's launcher (new interpreters, each told its
+rank as Lightning's launcher would tell it), every process trains the job's runs in the same order
 (:func:`_train_emulated`), and global rank 0 writes each run's step times back. The calibration
 (:func:`~lightning_bfpp.measure.calibrate.measure_runtime`), the benchmarks and the tests measure the runtime so.
 
 The strategy to train with (``BFPPStrategy``) is the caller's to pass in, as a class: the measuring code imports
-nothing above the engine, and the child imports the class by the name the caller's class has
+nothing above the engine, and each rank imports the class by the name the caller's class has
 (``module:qualified name``).
 """
 
@@ -18,8 +18,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightning_bfpp.measure import launcher
 from lightning_bfpp.measure.emulated import EmulatedModel
 from lightning_bfpp.plan.cluster import Cluster
 from lightning_bfpp.plan.config import config_rules
@@ -97,11 +96,10 @@ def _emulated_job(
     strategy: type,
     auto_cluster: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    # one intra-op thread per process, as torchrun sets: with the default (every core per process) a host-side
-    # op on an activation (the emulated layer's add, a loss) spins all processes' threads against each other
-    # and costs milliseconds per MiB, which an accelerator's host never pays
-    env.setdefault("OMP_NUM_THREADS", "1")
+    # one intra-op thread per process unless the caller set its own, as torchrun sets: with the default (every core
+    # per process) a host-side op on an activation (the emulated layer's add, a loss) spins all processes' threads
+    # against each other and costs milliseconds per MiB, which an accelerator's host never pays
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
         job = {
@@ -112,20 +110,24 @@ def _emulated_job(
             "auto_cluster": auto_cluster,
             "strategy": _importable_name(strategy),
         }
-        cmd = [sys.executable, "-m", "lightning_bfpp.measure.emulated_jobs", json.dumps(job), str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
+        # new interpreters: the caller may have used torch already, whose thread pools do not survive a fork
+        target = f"{__name__}:_train_emulated"
+        result = launcher.launch(target, devices, Path(tmp), args=(job, str(out)), start="spawn", threads=threads)
+        if not result.ok:
             described = "; ".join(config.describe() for config, _ in runs)
-            raise RuntimeError(f"the emulated runs ({described}) failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"the emulated runs ({described}) failed: {result.report()}")
         return list(json.loads(out.read_text()))
 
 
-def _train_emulated(job: dict[str, Any], out: Path) -> None:
-    """One emulated training job (``run_emulated_many``'s child process): Lightning starts the other processes,
-    which run the same runs in the same order."""
-    results = [_train_one(Plan(**run["config"]), EmulatedModel(**run["model"]), job) for run in job["runs"]]
+def _train_emulated(rank: int, job: dict[str, Any], out: str) -> None:
+    """One rank of an emulated training job (the launcher's, as Lightning sees processes started outside it): every
+    rank runs the same runs in the same order."""
+    results = []
+    for run in job["runs"]:
+        results.append(_train_one(Plan(**run["config"]), EmulatedModel(**run["model"]), job))
+        launcher.rearm_reports()  # the run's Trainer put the default signal handlers back when it ended
     if results[0] is not None:  # global rank 0 measured
-        out.write_text(json.dumps(results))
+        Path(out).write_text(json.dumps(results))
 
 
 def _train_one(config: Plan, model: EmulatedModel, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,7 +174,3 @@ def _train_one(config: Plan, model: EmulatedModel, job: dict[str, Any]) -> dict[
         result["chosen"] = asdict(strategy.planned.config)
         result["predicted_step_time"] = strategy.planned.prediction.step_time
     return result
-
-
-if __name__ == "__main__":
-    _train_emulated(json.loads(sys.argv[1]), Path(sys.argv[2]))

@@ -7,14 +7,14 @@ it (:func:`_tensor_all_reduce`). :func:`measure_contended`: the step's first gat
 group at once beside the step's host work (:func:`_contended`). Each returns the timings rank 0 wrote; the
 fitting is :mod:`lightning_bfpp.measure.fitting`'s.
 
-Every process runs one intra-op thread, as the training processes do (:func:`_join`).
+Every process runs one intra-op thread, as the training processes do (:func:`_join`); the package's launcher
+(:mod:`~lightning_bfpp.measure.launcher`) starts them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from lightning_bfpp.measure import launcher
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 LINKS = ("p2p", "all_gather", "reduce_scatter", "all_reduce")
@@ -40,7 +41,7 @@ def measure_links(devices: int, group_size: int, repeats: int, rounds: int) -> d
     ``rounds`` sweeps) and ``tensor_all_reduce`` (``[(bytes, seconds)]``, or empty where no group fits)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "timings.json")
-        mp.spawn(_worker, args=(devices, _free_port(), out, repeats, group_size, rounds), nprocs=devices)
+        _launch("_worker", devices, Path(tmp), (out, repeats, group_size, rounds))
         return dict(json.loads(Path(out).read_text()))
 
 
@@ -49,15 +50,16 @@ def measure_contended(devices: int, group_size: int, repeats: int, host_s: float
     every process doing ``host_s`` of host work beside them."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "contended.json")
-        args = (devices, _free_port(), out, repeats, group_size, host_s)
-        mp.spawn(_contended_worker, args=args, nprocs=devices)
+        _launch("_contended_worker", devices, Path(tmp), (out, repeats, group_size, host_s))
         return dict(json.loads(Path(out).read_text()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launch(worker: str, devices: int, folder: Path, args: tuple[Any, ...]) -> None:
+    """Run this module's ``worker`` on ``devices`` new interpreters (the caller may have used torch already, so
+    the ranks are not forked from it); raise with the failed rank's output if one fails."""
+    result = launcher.launch(f"{__name__}:{worker}", devices, folder, args=args, start="spawn")
+    if not result.ok:
+        raise RuntimeError(f"the link measurement on {devices} processes failed: {result.report()}")
 
 
 def _time(fn, repeats: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
@@ -72,20 +74,21 @@ def _time(fn, repeats: int, cuda: bool) -> float:  # type: ignore[no-untyped-def
     return statistics.median(times)
 
 
-def _join(rank: int, world: int, port: int) -> tuple[torch.device, bool]:
-    """Join the measuring processes' group; this process's device, and whether it is a GPU."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _join(rank: int) -> tuple[torch.device, int, bool]:
+    """Join the measuring processes' group (the launcher's ``MASTER_*`` and ``WORLD_SIZE``); this process's device,
+    the world size, and whether it is a GPU."""
+    world = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)  # as the training processes (run_emulated): gloo's CPU work is not oversubscribed
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    return device, cuda
+    return device, world, cuda
 
 
-def _worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int, rounds: int) -> None:
-    device, cuda = _join(rank, world, port)
+def _worker(rank: int, out: str, repeats: int, group_size: int, rounds: int) -> None:
+    device, world, cuda = _join(rank)
     group = dist.new_group(list(range(group_size)))
     calls = [_link_calls(rank, group, group_size, nbytes, device) for nbytes in SIZES]
     # every size of every link ``rounds`` times, the sweep's direction alternating: one sweep's medians of
@@ -163,8 +166,8 @@ def _tensor_all_reduce(
     return [(TENSOR_ALL_REDUCE_BYTES, statistics.median(times))]
 
 
-def _contended_worker(rank: int, world: int, port: int, out: str, repeats: int, group_size: int, host_s: float) -> None:
-    device, cuda = _join(rank, world, port)
+def _contended_worker(rank: int, out: str, repeats: int, group_size: int, host_s: float) -> None:
+    device, world, cuda = _join(rank)
     timings = {
         name: _contended(rank, world, group_size, repeats, device, cuda, host_s, collective)
         for name, collective in (("first_gather", "all_gather"), ("last_reduce", "reduce_scatter"))

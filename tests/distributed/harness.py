@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightning_bfpp.measure.launcher import CRASH_PREFIX, STACK_DUMP_SIGNAL, STACK_DUMP_WAIT_S, STACKS_PREFIX
 from tests.models import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,8 +199,6 @@ def launch(
     return load_results(runs, devices, workdir)
 
 
-# a rank's fault handler (SIGSEGV, SIGABRT, ...) writes its threads' stacks to OUT_DIR/<CRASH_PREFIX>node<N>.rank<R>.txt
-CRASH_PREFIX = "crash."
 # what the other ranks of a launch raise when one of them is gone
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "stopped responding")
 
@@ -234,13 +233,6 @@ def load_results(runs: list[RunSpec], devices: int, workdir: Path) -> dict[str, 
         optimizer_state = {k[len("optimizer/") :]: v for k, v in saved.items() if k.startswith("optimizer/")}
         results[run.name] = RunResult(ranks, params, optimizer_state)
     return results
-
-
-# a hung launch's ranks write their threads' stacks on this signal (Lightning takes SIGUSR1 for SLURM's requeue),
-# each to OUT_DIR/<STACKS_PREFIX>node<N>.rank<R>.txt
-STACK_DUMP_SIGNAL = signal.SIGUSR2
-STACKS_PREFIX = "stacks."
-STACK_DUMP_WAIT_S = 3.0
 
 
 def _kill_hung(pgid: int) -> None:

@@ -1,7 +1,7 @@
 """A server that has imported the worker once and forks a ``python -m tests.distributed.worker`` per launch.
 
 A new interpreter per launch spends about 3 s of one core importing torch, Lightning and this package before it
-forks its local ranks (:class:`tests.distributed.worker.LocalRanks`), while the other core idles; the suite
+forks its ranks (through :mod:`lightning_bfpp.measure.launcher`), while the other core idles; the suite
 launches dozens of times. ``python -m tests.distributed.preimported`` (started by the harness, once per test
 session, with the environment every launch gets) imports the worker, then reads one request per line on stdin:
 a JSON object with the worker's arguments, the launch's environment and its output files. For each it forks a

@@ -1,8 +1,8 @@
 """Runs the pipelined training runs of a JSON spec on CPU processes and writes what the tests compare.
 
 Usage (the tests do this): ``python -m tests.distributed.worker SPEC.json OUT_DIR``. The process forks its
-other local ranks after its imports (:class:`LocalRanks`); all runs in a spec share one world size and run
-one after the other in the same processes.
+ranks after its imports (:func:`main`, through :mod:`lightning_bfpp.measure.launcher`); all runs in a spec
+share one world size and run one after the other in the same processes.
 
 Per run and rank it writes ``OUT_DIR/<run>/rank<R>.json``: the metrics each step logged and returned, the
 batch indices it saw, and (instrumented here, not in the package) when each stage's weights were gathered
@@ -21,11 +21,9 @@ import tests.lean_imports  # noqa: F401
 import collections
 import contextlib
 import dataclasses
-import faulthandler
 import gc
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -50,8 +48,8 @@ from torch.utils.data import DataLoader
 import lightning_bfpp  # registers "bfpp"
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.layers import Recompute, RemoteLayer
+from lightning_bfpp.measure import launcher
 from tests import models as test_models
-from tests.distributed.harness import CRASH_PREFIX, STACK_DUMP_SIGNAL, STACKS_PREFIX
 from tests.models import (
     RunSpec,
     StepRecorder,
@@ -710,108 +708,51 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
     trainer.strategy.barrier()
 
 
-class LocalRanks:
-    """This machine's other ranks, forked from this process after its imports (Lightning's launcher would start
-    each as a new interpreter re-running this command: about 7 s of one core per process to import torch and
-    Lightning again, 10 s of a 4-process launch on 2 cores; a forked child has them already).
-
-    The children get the environment Lightning's launcher gives its own (``MASTER_ADDR``, ``MASTER_PORT``,
-    ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so Lightning sees processes created outside it, as under
-    torchrun. Nothing is forked when a launcher already started the ranks (``LOCAL_RANK`` set) or for one
-    process. As Lightning's launcher does, a child that exits non-zero gets every process killed 5 s later
-    (a rank that lost a peer may otherwise wait in a collective until the test's timeout), so the launch fails
-    whichever rank failed; and this process leaves only after its children.
-    """
-
-    POLL_S = 0.5
-    KILL_AFTER_S = 5.0
-
-    def __init__(self, devices: int) -> None:
-        self.children: list[int] = []
-        if "LOCAL_RANK" in os.environ or devices < 2:
-            return
-        from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(find_free_network_port()),
-            NODE_RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(devices),
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for local_rank in range(1, devices):
-            pid = os.fork()
-            if pid == 0:
-                os.environ["LOCAL_RANK"] = str(local_rank)
-                self.children = []
-                return
-            self.children.append(pid)
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, daemon=True, name="local-ranks").start()
-
-    def _watch(self) -> None:
-        running = list(self.children)
-        while running:
-            for pid in list(running):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if not done:
-                    continue
-                running.remove(pid)
-                if os.waitstatus_to_exitcode(status) != 0:
-                    time.sleep(self.KILL_AFTER_S)
-                    for other in running:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(other, signal.SIGKILL)
-                    os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(self.POLL_S)
-        self._done.set()
-
-    def wait(self) -> None:
-        """Return once every child has exited with status 0 (at once in a child)."""
-        if self.children:
-            self._done.wait()
-
-
-def _dump_stacks_on_signal(out: Path) -> Any:
-    """Have this rank write each thread's Python stack to a file of its own on ``STACK_DUMP_SIGNAL``, which the
-    harness sends a hung launch before it kills it (one file per rank: the ranks' dumps to one stderr interleave
-    character by character)."""
-    out.mkdir(parents=True, exist_ok=True)
-    node, local = os.environ.get("NODE_RANK", "0"), os.environ.get("LOCAL_RANK", "0")
-    file = (out / f"{STACKS_PREFIX}node{node}.rank{local}.txt").open("w")
-    faulthandler.register(STACK_DUMP_SIGNAL, file=file, all_threads=True)
-    # and, on a crash in native code (SIGSEGV, SIGABRT, ...), where every thread was (see harness.launch)
-    crash = (out / f"{CRASH_PREFIX}node{node}.rank{local}.txt").open("w")
-    faulthandler.enable(file=crash, all_threads=True)
-    return file, crash
-
-
 def main() -> None:
+    """Start this launch's ranks and leave with their outcome.
+
+    Under a launcher (``LOCAL_RANK`` set: torchrun's) or for one process, this process is the rank. Otherwise
+    the launcher forks every rank from this process after its imports (Lightning's launcher would start each as
+    a new interpreter re-running this command: about 7 s of one core per process to import torch and Lightning
+    again, 10 s of a 4-process launch on 2 cores), writing to this process's streams; as Lightning's launcher
+    does, a rank that fails gets the others killed 5 s later (one that lost a peer may otherwise wait in a
+    collective until the test's timeout), so the launch fails whichever rank failed.
+    """
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
-    ranks = LocalRanks(spec["devices"])
-    stacks = _dump_stacks_on_signal(out)  # noqa: F841  (kept open for the handlers)
-    # whole lines per write: ranks forked together raise together, and PYTHONUNBUFFERED's writes of a traceback's
-    # pieces from two ranks interleaved inside lines
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
+    if "LOCAL_RANK" in os.environ or spec["devices"] < 2:
+        launcher.prepare_rank(out)
+        run_rank(int(os.environ.get("LOCAL_RANK", 0)), spec, str(out))
+        _leave(0)
+    # the harness sets this process's threads (OMP_NUM_THREADS), or unsets them for the strategy to pick
+    # a rank that raises leaves through this module's top, as `python -m tests.distributed.worker` under torchrun
+    result = launcher.launch(
+        run_rank, spec["devices"], out, args=(spec, str(out)), per_rank_logs=False, threads=None,
+        unwind_on_failure=True,
+    )  # fmt: skip
+    _leave(0 if result.ok else 1)
+
+
+def run_rank(rank: int, spec: dict[str, Any], out: str) -> None:
+    """One rank: every run of ``spec``, one after the other."""
     events = EventLog()
     events.install()
     events.install_step_marks()
-    # a rank whose run raises leaves as a process of its own would, through the interpreter's exit: leaving at once
-    # closes its connections before the failure watchdog's message reaches the others
+    # a rank whose run raises leaves as a process of its own would, through the interpreter's exit (see main):
+    # leaving at once closes its connections before the failure watchdog's message reaches the others
     for run in spec["runs"]:
-        run_one(RunSpec(**run), spec["devices"], out / run["name"], events)
+        run_one(RunSpec(**run), spec["devices"], Path(out) / run["name"], events)
+        launcher.rearm_reports()  # the run's Trainer put the default handlers back when it ended
     # every rank has written what it recorded: once all have (none then needs the store global rank 0 hosts),
     # leave without the interpreter's teardown of torch and Lightning, seconds of the 2 cores per launch
     if dist.is_initialized():
         dist.barrier()
+
+
+def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    ranks.wait()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

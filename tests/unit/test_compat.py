@@ -522,17 +522,19 @@ def test_transformers_internals():
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from lightning_bfpp.integrations.huggingface import _compat as transformers_compat
+
     config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, initializer_range=0.5)  # fmt: skip
     for implementation in ("eager", "sdpa"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
-        assert _compat.attn_implementation(model.config) == implementation
+        assert transformers_compat.attn_implementation(model.config) == implementation
     # the model's own init, on modules taken out of it: a norm back to ones, a projection to its std
     norm, projection = model.model.norm, model.model.layers[0].mlp.down_proj
     with torch.no_grad():
         norm.weight.zero_()
         projection.weight.zero_()
-    _compat.init_weights_as_model(type(model), model.config, [norm, projection])
+    transformers_compat.init_weights_as_model(type(model), model.config, [norm, projection])
     assert torch.all(norm.weight == 1)
     assert 0.4 < projection.weight.std().item() < 0.6  # initializer_range, not torch's default
 

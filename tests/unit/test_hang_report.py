@@ -13,21 +13,18 @@ from tests.distributed import harness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]  # forks a launch and kills it
 
-# the worker's start (fork its other local ranks, then register the dump in each), then a "hang" in each rank
+# the worker's start (the launcher forks the ranks, each registering the dump), then a "hang" in each rank
 HANGING = textwrap.dedent(
     """
-    import os, sys, time
+    import sys, time
     from pathlib import Path
-    from tests.distributed.worker import _dump_stacks_on_signal
+    from lightning_bfpp.measure import launcher
     print("before the hang", file=sys.stderr, flush=True)
-    rank = 1 if os.fork() == 0 else 0
-    os.environ["LOCAL_RANK"] = str(rank)
-    stacks = _dump_stacks_on_signal(Path(sys.argv[1]))
     def waiting_in_rank(rank):
         # ready from inside the frame the dump must show: a signal that lands while print returns still finds it
         print("ready", rank, flush=True)
         time.sleep(60)
-    waiting_in_rank(rank)
+    launcher.launch(waiting_in_rank, 2, Path(sys.argv[1]), per_rank_logs=False)
     """
 )
 

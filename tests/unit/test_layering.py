@@ -304,6 +304,50 @@ def test_the_measuring_check_can_fail(tmp_path):
     assert _imports_above_engine(PACKAGE / "adapter" / "auto.py")  # the adapter's own modules
 
 
+LAUNCHER = PACKAGE / "measure" / "launcher.py"
+# what starts a rank process other than through the launcher: a fork, multiprocessing's processes, torch's spawn
+_PROCESS_STARTS = {"fork", "spawn", "start_processes", "Process", "Pool"}
+# besides the launcher: the tests' server that forks a whole worker per launch (whose ranks then start through the
+# launcher), and the plain torch program that drives the engine without Lightning as a user's own script would,
+# with torch's spawn (torchrun, too, is started as a program where a test needs it)
+_OTHER_STARTS = {REPO / "tests" / "distributed" / "preimported.py", REPO / "tests" / "distributed" / "plain_loop.py"}
+
+
+def _process_starts(path: Path) -> list[str]:
+    """The calls in ``path`` that start a process other than as a program (``subprocess``): ``os.fork``,
+    ``multiprocessing``'s ``Process``/``Pool``, ``spawn``/``start_processes``, as ``name:line``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in _PROCESS_STARTS:
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_every_rank_process_is_started_by_the_launcher():
+    """The package's calibration, the benchmarks and the tests start a job's ranks through one launcher
+    (``lightning_bfpp/measure/launcher.py``: rank environment, per-rank logs and fault reports, a failed rank
+    stopping the others, a hang ended with stacks); a program started with ``subprocess`` is not a rank."""
+    files = [p for folder in ("lightning_bfpp", "benchmarks", "tests") for p in sorted((REPO / folder).rglob("*.py"))]
+    found = {
+        str(p.relative_to(REPO)): s for p in files if p not in {LAUNCHER, *_OTHER_STARTS} if (s := _process_starts(p))
+    }
+    assert found == {}
+    assert _process_starts(LAUNCHER) == ["fork:" + str(_line_of(LAUNCHER, "os.fork()"))]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_the_launcher_imports_only_the_standard_library():
+    """Any process can start ranks with it before importing torch, Lightning or the package's layers."""
+    names = _imported_names(LAUNCHER, typing_only=False)
+    assert [n for n in names if n.split(".")[0] not in sys.stdlib_module_names] == []
+
+
 _DRAW = """
 import sys
 from pathlib import Path

@@ -152,10 +152,12 @@ def test_the_vocabulary_parallel_embedding_keeps_only_its_rows_gradient(tmp_path
     """Each of 2 tensor ranks looks up its 8 of 16 rows, and its weight gradient is those 8 rows (torch's
     ``RowwiseParallel`` on an embedding returns all 16 on each rank); output and gradient equal one embedding,
     padding row included."""
-    import torch.multiprocessing as mp
+    from lightning_bfpp.measure import launcher
 
     out = tmp_path / "result.pt"
-    mp.spawn(_vocab_parallel_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2)
+    launched = launcher.launch(f"{__name__}:_vocab_parallel_worker", 2, tmp_path / "ranks", start="spawn",
+                               args=(str(tmp_path / "store"), str(out)), timeout_s=100)  # fmt: skip
+    assert launched.ok, launched.report()
     result = torch.load(out)
     assert result["local_grad_rows"] == 8
     assert result["output"] == 0.0 and result["grad"] == 0.0

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.loss import mean_over_items
+from lightning_bfpp.integrations.huggingface import _compat
 from lightning_bfpp.integrations.huggingface.blocks import PoolingHead
 from lightning_bfpp.integrations.huggingface.loading import _dtype
 from lightning_bfpp.integrations.huggingface.lora import _lora_hparams

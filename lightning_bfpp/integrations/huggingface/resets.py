@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from lightning_bfpp.engine import _compat
+from lightning_bfpp.integrations.huggingface import _compat
 
 
 class _HFReset:

@@ -117,7 +117,7 @@ def _tp_style(kind: str) -> Any:
 
 def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int) -> dict[str, Any]:
     """``layer``'s part of the model's own tensor-parallel plan (``config.base_model_tp_plan`` and the LM class's
-    ``_tp_plan``, as :func:`~lightning_bfpp.engine._compat.model_tp_plan` resolves them), as
+    ``_tp_plan``, as :func:`~lightning_bfpp.integrations.huggingface._compat.model_tp_plan` resolves them), as
     ``parallelize_module`` takes it: paths inside the layer mapped to torch's parallel styles.
 
     Column-wise projections (q, k, v, gate, up) split their outputs, so each tensor rank computes
