@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -121,8 +122,8 @@ def launch(
     its traceback, runs its exit handlers and exits with 1, or, with ``unwind_on_failure``, lets the exception
     unwind out of this call in its own process, for a caller at the top of its program (a worker's ``main``)
     whose failing ranks must leave at an interpreter's pace: a peer reads the failure watchdog's report during
-    those seconds, as it does under torchrun. ``threads`` sets each rank's
-    intra-op threads (``OMP_NUM_THREADS``, as torchrun sets 1); ``None`` leaves them to the environment.
+    those seconds, as it does under torchrun. ``threads`` sets each rank's intra-op threads
+    (``OMP_NUM_THREADS``, as torchrun sets 1); ``None`` leaves them to the environment.
     ``per_rank_logs`` sends each rank's output to ``folder/rank<R>.log``; otherwise the ranks write to this
     process's streams. ``env`` replaces this process's environment for the ranks (``"spawn"`` only); either way
     an outer launcher's variables (:data:`OUTER_LAUNCHER_VARIABLES`) are left out, and a spawned rank finds the
@@ -144,7 +145,9 @@ def launch(
     launching = os.getpid()  # a forked rank unwinding out of here must not stop its siblings
     ranks: list[_Rank] = []
     # this process may be told to dump stacks with its ranks (a caller's process group); it has none to write
-    previous = signal.signal(STACK_DUMP_SIGNAL, signal.SIG_IGN)
+    # (only the main thread may set a handler: elsewhere the signal keeps whatever handler it had)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(STACK_DUMP_SIGNAL, signal.SIG_IGN) if main else None
     try:
         for rank in range(nprocs):
             variables = rank_environment(rank, nprocs, port, threads)
@@ -158,7 +161,8 @@ def launch(
         if os.getpid() == launching:
             for rank in ranks:
                 rank.kill()
-            signal.signal(STACK_DUMP_SIGNAL, previous)
+            if main:
+                signal.signal(STACK_DUMP_SIGNAL, previous)
     return LaunchResult(tuple(r.exitcode() for r in ranks), reason, failed, folder, per_rank_logs)
 
 

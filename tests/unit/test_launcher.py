@@ -156,3 +156,15 @@ def test_a_rank_forked_after_a_trainer_ended_still_reports_its_crash(tmp_path, s
     proc = subprocess.run([sys.executable, "-c", CLOBBERED, str(tmp_path)], cwd=REPO, env=script_env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.stdout.strip() == "(-11,) True", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_launch_from_another_thread(tmp_path):
+    """A measurement started off the main thread (which alone may set signal handlers) launches all the same."""
+    import threading
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(launcher.launch(records, 2, tmp_path, args=(str(tmp_path),),
+                                                                          timeout_s=120)))  # fmt: skip
+    thread.start()
+    thread.join(timeout=150)
+    assert results and results[0].ok, results and results[0].report()
