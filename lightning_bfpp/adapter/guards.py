@@ -142,10 +142,9 @@ def check_checkpoint_io(checkpoint_io: object) -> None:
         )
 
 
-def check_trainer(callbacks: list[Any], module: Any) -> None:
-    """:func:`check_callbacks`, and refuse Lightning's own backward (manual optimization): at set-up, on every
-    rank, before any collective of the pipeline's."""
-    check_callbacks(callbacks)
+def check_optimization(module: Any) -> None:
+    """Refuse Lightning's own backward (manual optimization): at set-up, on every rank, before any collective of
+    the pipeline's. (The callbacks were checked earlier, in ``setup_environment``: :func:`check_callbacks`.)"""
     if not module.automatic_optimization:
         raise RuntimeError(
             "BFPPStrategy runs forward and backward inside the pipeline and needs automatic optimization;"

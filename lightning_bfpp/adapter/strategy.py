@@ -325,7 +325,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        guards.check_trainer(trainer.callbacks, module)  # type: ignore[attr-defined]
+        guards.check_optimization(module)
         if self.pipeline is None:
             self._build_pipeline(trainer, module)
         elif self.pipeline.module is not module:

@@ -101,3 +101,14 @@ def test_both_summary_callbacks_print_the_whole_model():
     callbacks = [ModelSummary(), RichModelSummary(), ModelCheckpoint()]
     lc.summarize_with(callbacks, whole)
     assert [c._summary(None, None) for c in callbacks[:2]] == [whole, whole]
+
+
+def test_manual_optimization_is_refused_at_setup():
+    class Manual:
+        automatic_optimization = False
+
+    with pytest.raises(
+        RuntimeError, match=r"needs automatic optimization; remove `self\.automatic_optimization = False`"
+    ):
+        guards.check_optimization(Manual())
+    guards.check_optimization(type("Automatic", (), {"automatic_optimization": True})())

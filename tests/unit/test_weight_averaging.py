@@ -101,21 +101,17 @@ def test_the_callbacks_copy_is_deferred_and_given_back():
     assert isinstance(lc.average_model(own), LocalAveragedModel)
 
 
-class _Module:
-    automatic_optimization = True
-
-
 def test_two_averaging_callbacks_are_refused_by_name():
     with pytest.raises(
         RuntimeError, match=r"one weight-averaging callback, got 2 \(EMAWeightAveraging, WeightAveraging\)"
     ):
-        guards.check_trainer([EMAWeightAveraging(), WeightAveraging()], _Module())
-    guards.check_trainer([EMAWeightAveraging()], _Module())
+        guards.check_callbacks([EMAWeightAveraging(), WeightAveraging()])
+    guards.check_callbacks([EMAWeightAveraging()])
 
 
 def test_stochastic_weight_averaging_is_refused_pointing_to_weight_averaging():
     with pytest.raises(RuntimeError, match="cannot run StochasticWeightAveraging") as refused:
-        guards.check_trainer([StochasticWeightAveraging(swa_lrs=1e-2)], _Module())
+        guards.check_callbacks([StochasticWeightAveraging(swa_lrs=1e-2)])
     assert "`EMAWeightAveraging`" in str(refused.value)
 
 
