@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import AutoConfig, BertConfig, GPT2Config, RobertaConfig
 
 from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES, HFCausalLM, HFSequenceRegressor
-from tests.models import Reference, RunSpec, fit_on_one_device, load_initial_params
+from tests.models import Reference, RunSpec, fit_on_one_device
 
 VOCAB = 100
 SEQ_LEN = 12
@@ -223,9 +223,12 @@ def hf_loader(run: RunSpec, trainer: L.Trainer) -> DataLoader:
 
 def hf_reference_run(run: RunSpec) -> Reference:
     """``run`` trained on one process with ``strategy="auto"`` on the global batches (see ``reference_run``)."""
-    model = hf_module(run)
-    if run.initial_params is not None:  # the weights a run created on the meta device started from
-        load_initial_params(model, run.initial_params)
+    if "empty_init" in run.checks:  # on the meta device, materialized as the strategy's ranks do (from the seed)
+        with torch.device("meta"):
+            model = hf_module(run)
+        model.materialize()
+    else:
+        model = hf_module(run)
     return fit_on_one_device(model, token_data(run), run)
 
 

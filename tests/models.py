@@ -7,7 +7,6 @@ identical weights and see identical samples.
 
 from __future__ import annotations
 
-import glob
 import json
 import shutil
 import tempfile
@@ -229,9 +228,6 @@ class RunSpec:
     loader_factory: str | None = None
     # the run is expected to raise: every rank records the exception instead of failing, and the next run goes on
     expect_error: bool = False
-    # a glob of files of full parameters (by name) the module starts from once built: a one-device reference
-    # of a run whose start no seed makes (see the worker's "save_initial_params" check)
-    initial_params: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,21 +248,22 @@ def make_model(run: RunSpec) -> L.LightningModule:
         spec = dict(run.model)
         spec.setdefault("batch_format", run.data.get("batch_format", "tuple"))
         model = PipeNet(**spec)
-    if run.initial_params is not None:
-        load_initial_params(model, run.initial_params)
     return model
 
 
-def load_initial_params(model: nn.Module, pattern: str) -> None:
-    """Set every parameter of ``model`` from the files matching ``pattern`` (each a {name: full tensor} dict)."""
-    saved: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(pattern)):
-        saved.update(torch.load(path))
-    missing = [name for name, _ in model.named_parameters() if name not in saved]
-    assert not missing, f"no initial value for {missing} in {pattern}"
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(saved[name])
+def make_model_as_the_run_does(run: RunSpec) -> L.LightningModule:
+    """The module of ``run`` on one process, built as its pipelined run builds it: with the ``empty_init`` check on
+    the meta device, every module then materialized from the seed and its name, as the strategy's ranks
+    materialize theirs (so the reference starts where the run did without copying its weights). A run that loads
+    pretrained weights (``pretrained:<path>``, written from the module built in memory) starts from those."""
+    if "empty_init" not in run.checks or any(check.startswith("pretrained:") for check in run.checks):
+        return make_model(run)
+    from lightning_bfpp.engine.layers import materialize_whole
+
+    with torch.device("meta"):
+        model = make_model(run)
+    materialize_whole(model, torch.device("cpu"))
+    return model
 
 
 def model_spec(run: RunSpec) -> ModelSpec:
@@ -599,7 +596,7 @@ def reference_run(
     what this sampler gives one process with the global batch size.
     """
     ref = RunSpec(**{**run.to_json(), **run.reference})
-    model = make_model(ref)
+    model = make_model_as_the_run_does(ref)
     data = make_dataset(ref)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     batch = ref.local_batch_size * ref.data_parallel_size

@@ -111,6 +111,7 @@ def load(
         averaged=averaged,
     )
     loaded.pop(files.TIED_KEY, None)
+    loaded.pop(files.VERSIONS_KEY, None)
     if warning is not None:
         warn(warning)
     # each replica resumes its own place in the data (see engine.checkpoint.replica_loader_states)

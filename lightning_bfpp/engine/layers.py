@@ -18,6 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from lightning_bfpp.engine import _compat
+from lightning_bfpp.engine.random_state import forked_random_states, process_seed, seed_for_name
+
 _CONTRACT = (
     "Define `pipeline_layers(self)` on your LightningModule returning the ordered list of submodules whose"
     " composition is `forward`, e.g. `return [self.embed, *self.blocks, self.head]`."
@@ -328,8 +331,11 @@ def keep_local_layers(
     owner_rank: Sequence[int],
     pipeline_rank: int,
     device: torch.device,
+    *,
+    seed: int | None = None,
 ) -> dict[str, nn.Module]:
-    """Replace other ranks' layers by :class:`RemoteLayer`, materialize and place the local ones.
+    """Replace other ranks' layers by :class:`RemoteLayer`, materialize (seeded by name from ``seed``, see
+    :func:`materialize_meta`) and place the local ones.
 
     Returns the local layers by name. Raises if a replaced layer's parameters are still reachable from the
     module, since the rank would then keep them: a backstop, as :func:`check_no_aliases` refuses such aliases
@@ -358,16 +364,52 @@ def keep_local_layers(
         # a frame kept by its own locals): free them now, before this rank's own layers are allocated, not
         # whenever the collector next runs
         gc.collect()
-    for layer in local.values():
-        materialize_meta(layer, device)
+    for name, layer in local.items():
+        materialize_meta(layer, device, name=name, seed=seed)
         layer.to(device)
     return local
 
 
-def materialize_meta(layer: nn.Module, device: torch.device) -> None:
-    for sub in layer.modules():
-        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+def materialize_meta(layer: nn.Module, device: torch.device, *, name: str = "", seed: int | None = None) -> None:
+    """Allocate ``layer``'s meta-device tensors on ``device`` and initialize each submodule that holds them with its
+    ``reset_parameters()``, under torch's (and NumPy's, Python's) generators seeded from ``seed`` and the
+    submodule's fully-qualified name (``name``: the layer's name in the module).
+
+    So a module's initial values depend on the seed and its name alone: not on which rank materializes it, nor on
+    how many modules that rank drew before it (a layout with other stages per rank draws the same values), nor on
+    whether the whole model is materialized on one process (a Hugging Face wrapper under another strategy) or a
+    stage at a time. ``seed``: default this process's torch seed (``seed_everything``'s); the strategy passes
+    global rank 0's, so that every rank agrees even unseeded. The draws are forked: the process's own generator
+    states are left as they were.
+    """
+    base = process_seed() if seed is None else seed
+    pending = [
+        (f"{name}.{sub_name}" if name and sub_name else name or sub_name, sub)
+        for sub_name, sub in layer.named_modules()
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
+    ]
+    if not pending:
+        return
+    with forked_random_states(device) as reseed:
+        for qualified, sub in pending:
+            reseed(seed_for_name(base, qualified))
             _materialize(sub, device)
+
+
+def materialize_whole(module: nn.Module, device: torch.device, *, seed: int | None = None) -> None:
+    """Materialize every meta-device tensor of ``module`` on one process (:func:`materialize_meta`: each submodule
+    from the seed and its name, so as a pipeline's ranks materialize their layers), keeping a parameter shared by
+    several submodules shared: the first to hold it keeps its values, and the others point to it again, as the
+    copies of a tied parameter take their owner's values under the strategy."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in _compat.parameter_slots(sub).items():
+            if param is not None:
+                places.setdefault(id(param), []).append((sub, name))
+    materialize_meta(module, device, seed=seed)
+    for (owner, owner_name), *others in places.values():
+        for sub, name in others:
+            _compat.parameter_slots(sub)[name] = _compat.parameter_slots(owner)[owner_name]
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
@@ -384,12 +426,13 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
     module.reset_parameters()
 
 
-def materialize_remaining(module: nn.Module, device: torch.device) -> None:
-    """Materialize meta tensors outside the pipeline layers (e.g. metrics' states, loose buffers).
+def materialize_remaining(module: nn.Module, device: torch.device, *, seed: int | None = None) -> None:
+    """Materialize meta tensors outside the pipeline layers (e.g. metrics' states, loose buffers), seeded by name
+    as :func:`materialize_meta`.
 
     Called after :func:`keep_local_layers`, so the only meta tensors left belong to modules every rank keeps.
     """
-    materialize_meta(module, device)
+    materialize_meta(module, device, seed=seed)
 
 
 # layers whose forward in training normalises by statistics over the samples of the call (BatchNorm), or whose

@@ -104,7 +104,7 @@ def keep_layers(
     """
     slots = [i for i, rank in enumerate(layer_owner) if rank == me] if tied_slots is None else tied_slots
     identities = record_identities(named, slots)
-    local = keep_local_layers(module, named, layer_owner, me, context.device)
+    local = keep_local_layers(module, named, layer_owner, me, context.device, seed=context.base_seed)
     if read_pretrained:
         fill_pretrained(local, context)
     return local, identities
@@ -121,7 +121,7 @@ def fill_pretrained(local: dict[str, nn.Module], context: BuildContext) -> None:
 def finish_module(module: nn.Module, context: BuildContext) -> None:
     """What every runner does once its layers are kept: the module's remaining tensors materialised, converted
     (precision) and on the device."""
-    materialize_remaining(module, context.device)
+    materialize_remaining(module, context.device, seed=context.base_seed)
     context.convert_module(module)
     module.to(context.device)
 

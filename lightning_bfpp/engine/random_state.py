@@ -15,7 +15,8 @@ layers (dropout) and the rest of the program draw from untouched.
 
 This module is the package's one home for random state: the seed every rank derives draws from
 (:func:`shared_base_seed`), the per-(step, micro-batch) fork above, and the snapshot weight passing restores
-to recompute a chunk's forward with the same dropout masks (:class:`RandomStateSnapshot`).
+to recompute a chunk's forward with the same dropout masks (:class:`RandomStateSnapshot`), and the seed a module
+materialized from the meta device is initialized from (:func:`seed_for_name`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,22 @@ def shared_base_seed(broadcast: Callable[[int], int]) -> int:
     """The seed every rank derives its steps' random draws from: global rank 0's torch seed (set by
     ``seed_everything``), handed to every rank by ``broadcast`` (from rank 0), so that processes seeded
     differently, or not at all, still agree."""
-    return int(broadcast(torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF))
+    return int(broadcast(process_seed()))
+
+
+def seed_for_name(base_seed: int, name: str) -> int:
+    """A 63-bit seed from ``base_seed`` and a module's fully-qualified name, stable across processes and Python
+    runs: what a module materialized from the meta device is initialized from (see
+    :func:`~lightning_bfpp.engine.layers.materialize_meta`), so its values never depend on which rank, or which
+    other modules before it, drew."""
+    digest = hashlib.blake2b(f"{int(base_seed)}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def process_seed() -> int:
+    """This process's torch seed (``seed_everything``'s, or torch's own random one), as :func:`shared_base_seed`
+    reads it on global rank 0."""
+    return torch.initial_seed() & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def derive_seed(base_seed: int, key: Sequence[int]) -> int:

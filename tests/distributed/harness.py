@@ -324,3 +324,22 @@ def assert_trained_as_on_one_device(result: RunResult, run: RunSpec, *, tol: flo
         if is_frozen(k, frozen):
             assert torch.equal(result.params[k], initial[k]), f"frozen {k} changed"
     return ref
+
+
+def started_from(folder: Path) -> dict[str, torch.Tensor]:
+    """The full parameters a run started from, as its ranks wrote them (the worker's ``save_initial_params``)."""
+    initial: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("initial_pp*.pt")):
+        initial.update(torch.load(path))
+    assert initial, f"no initial_pp*.pt in {folder}"
+    return initial
+
+
+def assert_started_as_one_process(folder: Path, module: torch.nn.Module) -> None:
+    """The run whose ranks wrote ``folder`` started from ``module``'s parameters, bit for bit: what one process
+    builds from the same seed, compared without copying anything from the run."""
+    initial = started_from(folder)
+    want = {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False) if "mae" not in k}
+    assert set(initial) <= set(want), sorted(set(initial) - set(want))
+    differ = [name for name, value in initial.items() if not torch.equal(value, want[name])]
+    assert not differ, f"started from other values than one process: {differ[:5]}"

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,8 +75,12 @@ def results(tmp_path_factory):
     reference_run(run("single", epochs=1, model=SINGLE_MODEL), save_to=str(single))
     runs = [
         run("straight"),
-        run("half", epochs=1, checks=["save_at_end"]),
+        run("half", epochs=1, checks=["save_at_end", "consolidate_at_end"]),
         run("resume_same", resume_from="half/end.ckpt"),
+        # the folder consolidated into one file, by this package's tool and by Lightning's, resumed
+        run("resume_file", resume_from="half/end.consolidated.ckpt"),
+        run("resume_lightning_file", resume_from="half/end.lightning.ckpt"),
+        run("resume_file_p4", layout="p4_dp1_v1", resume_from="half/end.consolidated.ckpt"),
         run("resume_p4", layout="p4_dp1_v1", resume_from="half/end.ckpt"),
         run("resume_dp4", layout="p1_dp4_v2", resume_from="half/end.ckpt"),
         run("from_single_device", model=SINGLE_MODEL, resume_from=str(single)),
@@ -88,9 +93,12 @@ def losses(result, rank=0):
     return [s["callback_metrics"]["train_loss"] for s in result.steps(rank)]
 
 
-def test_resume_is_bit_for_bit(results):
+@pytest.mark.parametrize("name", ["resume_same", "resume_file", "resume_lightning_file"])
+def test_resume_is_bit_for_bit(results, name):
+    """From the folder, and from it consolidated into one file (this package's tool, Lightning's): weights,
+    optimizer state (keyed by parameter name in the file), the scheduler, the loops' counters."""
     _, res = results
-    straight, resumed = res["straight"], res["resume_same"]
+    straight, resumed = res["straight"], res[name]
     for rank in range(4):
         assert losses(resumed, rank) == losses(straight, rank)[3:]
         assert resumed.ranks[rank]["holdings"]["counters"] == straight.ranks[rank]["holdings"]["counters"]
@@ -102,7 +110,7 @@ def test_resume_is_bit_for_bit(results):
     assert all(torch.equal(resumed.optimizer_state[k], straight.optimizer_state[k]) for k in straight.optimizer_state)
 
 
-@pytest.mark.parametrize("name", ["resume_p4", "resume_dp4"])
+@pytest.mark.parametrize("name", ["resume_p4", "resume_dp4", "resume_file_p4"])
 def test_resume_under_another_layout(name, results):
     _, res = results
     straight, resumed = res["straight"], res[name]
@@ -196,3 +204,31 @@ def test_a_save_failing_at_any_point_leaves_a_checkpoint_that_resumes_and_no_sta
     assert {p.name: torch.load(p / "meta.pt", weights_only=True)["global_step"] for p in folder.iterdir()} == {
         "last.ckpt": 7
     }
+
+
+# where CI keeps this torch's checkpoint for the oldest supported torch to open (tests/distributed/test_oldest_torch.py)
+CROSS_VERSION_DIR = os.environ.get("BFPP_CROSS_VERSION_DIR")
+
+
+@pytest.mark.skipif(not CROSS_VERSION_DIR, reason="CI hands this torch's checkpoint to the oldest torch's run")
+def test_hand_the_checkpoint_to_the_oldest_torch(results):
+    """The folder, its consolidated file, the run resumed from the folder and the releases that wrote them, for the
+    oldest torch's part of CI: it must refuse the folder naming both releases when it cannot read it, and resume
+    the file as this torch resumed the folder."""
+    import shutil
+
+    workdir, res = results
+    target = Path(CROSS_VERSION_DIR)
+    half = workdir / "out" / "half"
+    shutil.copytree(half / "end.ckpt", target / "folder.ckpt", dirs_exist_ok=True)
+    shutil.copy(half / "end.consolidated.ckpt", target / "consolidated.ckpt")
+    resumed = res["resume_same"]
+    torch.save(
+        {
+            "torch": str(torch.__version__),
+            "params": resumed.params,
+            "optimizer_state": resumed.optimizer_state,
+            "losses": [losses(resumed, rank) for rank in range(4)],
+        },
+        target / "resumed.pt",
+    )

@@ -16,7 +16,6 @@ one-device run's weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 from lightning_bfpp.integrations.huggingface import export_pretrained
-from tests.distributed.harness import assert_steps_match, launch, run_2x2
+from tests.distributed.harness import assert_started_as_one_process, assert_steps_match, launch, run_2x2
 from tests.hf_models import VOCAB, assert_trained_as_reference, hf_module, hf_reference_run, tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -121,11 +120,15 @@ def test_export_from_the_pipelined_checkpoint(run, launched, tmp_path):
 
 
 def test_meta_device_model_trains_as_on_one_device(launched):
-    """Each rank materialized its own layers with the model's init; one device started from those weights (as the
-    ranks saved them after setup) trains to the same losses and weights."""
+    """Each rank materialized its own layers with the model's init, each module from the seed and its name: one
+    process materializing the whole model from the same seed starts from the same weights (nothing copied from the
+    run) and trains to the same losses and weights."""
     workdir, results = launched
-    initial = str(workdir / "out" / META.name / "initial_pp*.pt")
-    ref = hf_reference_run(dataclasses.replace(META, initial_params=initial))
+    with torch.device("meta"):
+        module = hf_module(META)
+    module.materialize()
+    assert_started_as_one_process(workdir / "out" / META.name, module)
+    ref = hf_reference_run(META)
     assert len(ref.steps) == 6
     assert_steps_match(results[META.name], ref, tol=TOL)
     for name, want in ref.params.items():

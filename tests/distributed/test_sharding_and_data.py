@@ -7,13 +7,12 @@ reduction entry points and the pipeline stages' forward/backward calls are logge
 from __future__ import annotations
 
 import csv
-import dataclasses
 from collections import Counter
 
 import pytest
 
-from tests.distributed.harness import assert_params_match, assert_steps_match, launch
-from tests.models import RunSpec, reference_run
+from tests.distributed.harness import assert_params_match, assert_started_as_one_process, assert_steps_match, launch
+from tests.models import RunSpec, make_model_as_the_run_does, reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -192,12 +191,13 @@ def test_optimizer_state_follows_the_parameters(name, sharded, results):
 
 
 def test_meta_device_model_trains_as_on_one_device(results):
-    """A model created on the meta device trains as one device trains it from the weights the ranks
-    materialized: every rank's logged losses and the final parameters."""
+    """A model created on the meta device starts from the weights one process materializes from the same seed
+    (each module from the seed and its name, whichever rank holds it; nothing copied from the run), and trains as
+    one device trains it: every rank's logged losses and the final parameters."""
     workdir, res = results
     meta = next(r for r in RUNS if r.name == "meta_init")
-    initial = str(workdir / "out" / "meta_init" / "initial_pp*.pt")
-    ref = reference_run(dataclasses.replace(meta, initial_params=initial))
+    assert_started_as_one_process(workdir / "out" / "meta_init", make_model_as_the_run_does(meta))
+    ref = reference_run(meta)
     assert len(ref.steps) == 3
     assert_steps_match(res["meta_init"], ref, tol=1e-5, keys=("train_loss", "samples", "max_err"))
     assert_params_match(res["meta_init"], ref, tol=1e-5)

@@ -25,6 +25,7 @@ process: losses at every step on every rank and every final weight within 1e-5.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -135,7 +136,32 @@ HF = [
     # vocabulary-parallel embedding and head), and the whole tensors of the weights split by columns
     hf_run("hf_llama_tied_from_folder_p2_t2", tie=True, model={"pretrained": str(PRETRAINED)}),
 ]
-FOUR += [*HF, gpt_run("gpt_p2_t2")]
+# LoRA adapters on a folder's Llama at p=2 t=2 under every schedule kind that runs with tensor parallelism (weight
+# passing does not): the base projections split by the plan, each adapter with its base layer; the adapters start
+# from the seed alone (nothing copied), as one process under `strategy="auto"` starts them
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "lora_dropout": 0.0}
+ONE_STAGE = {"stages_per_rank": 1}
+LORA_SCHEDULES = {
+    "breadth_first": {},
+    "breadth_first_zb": {},
+    "interleaved_zb": {},
+    "zbv": {},
+    "depth_first": {},
+    "gpipe": ONE_STAGE,
+    "1f1b": ONE_STAGE,
+}
+LORA_TP = [
+    dataclasses.replace(
+        hf_run(
+            f"hf_lora_{kind}_p2_t2",
+            model={"pretrained": str(PRETRAINED), "lora": LORA, "lr": 5.0},
+            checks=["save_at_end"] if kind == "breadth_first" else [],
+        ),
+        strategy={**P2_T2, "schedule": kind, **extra},
+    )
+    for kind, extra in LORA_SCHEDULES.items()
+]
+FOUR += [*HF, *LORA_TP, gpt_run("gpt_p2_t2")]
 EIGHT = [tp_run("tp_p2_t2_dp2", dp=2), hf_run("hf_llama_p2_t2_dp2", dp=2), gpt_run("gpt_p2_t2_dp2", dp=2)]
 EQUAL = [*FOUR[:3], FOUR[7], EIGHT[0]]
 HF += [EIGHT[1]]
@@ -143,14 +169,19 @@ GPT = [FOUR[-1], EIGHT[2]]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def workdir4(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp4")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, workdir4):
     transformers = pytest.importorskip("transformers")
     from tests.hf_models import tiny_config
 
     torch.manual_seed(5)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", layers=3, tie=True))
     model.save_pretrained(PRETRAINED, max_shard_size="50KB")
-    out = launch(FOUR, 4, tmp_path_factory.mktemp("tp4"), timeout=600)
+    out = launch(FOUR, 4, workdir4, timeout=720)
     out.update(launch(EIGHT, 8, tmp_path_factory.mktemp("tp8"), timeout=600))
     return out
 
@@ -200,6 +231,75 @@ def test_the_examples_gpt_trains_as_on_one_device(run, results):
     split = {n for r in result.ranks for n in r["holdings"]["tensor_parallel_parameters"]}
     linears = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")
     assert split == {f"blocks.{b}.{n}" for b in range(4) for n in (*linears, "mlp.2.bias")}
+
+
+@pytest.fixture(scope="module")
+def lora_reference(results):
+    """LoRA on the folder's Llama trained on one process under `strategy="auto"` (the same for every schedule)."""
+    from tests.hf_models import hf_reference_run
+
+    return hf_reference_run(LORA_TP[0])
+
+
+@pytest.mark.parametrize("run", LORA_TP, ids=lambda r: r.name)
+def test_lora_adapters_split_with_their_base_layers_train_as_on_one_device(run, results, lora_reference):
+    """fp32, 1e-5: losses on every rank and every weight equal one process's (which started from the same seed,
+    nothing copied), the adapters moved and the frozen base did not; q/v's B and down's A are split, as their base
+    layers (q/v column-wise, down row-wise), their A and B whole."""
+    from tests.hf_models import hf_module
+
+    result = results[run.name]
+    assert_steps_match(result, lora_reference, tol=TOL)
+    assert set(result.params) == set(lora_reference.params)
+    for name, want in lora_reference.params.items():
+        error = (result.params[name].double() - want.double()).norm().item()
+        assert error <= TOL * want.double().norm().item() + 1e-6, f"{name}: {error:.2e}"
+    module = hf_module(run)
+    module.materialize()
+    initial = dict(module.named_parameters())
+    adapters = [n for n, p in initial.items() if p.requires_grad]
+    assert adapters and all(".lora_" in n for n in adapters)
+    assert all(torch.equal(result.params[n], p.detach()) for n, p in initial.items() if not p.requires_grad)
+    moved = sorted(relative_error(result.params[n], initial[n].detach()) for n in adapters if "lora_A" in n)
+    assert moved[len(moved) // 2] > 30 * TOL
+    split = {n for r in result.ranks for n in r["holdings"]["tensor_parallel_parameters"]}
+    for block in range(3):
+        prefix = f"blocks.{block}.layer."
+        for proj, lora in (("self_attn.q_proj", "lora_B"), ("self_attn.v_proj", "lora_B"), ("mlp.down_proj", "lora_A")):
+            assert f"{prefix}{proj}.base_layer.weight" in split
+            assert f"{prefix}{proj}.{lora}.default.weight" in split
+            whole = "lora_A" if lora == "lora_B" else "lora_B"
+            assert f"{prefix}{proj}.{whole}.default.weight" not in split
+
+
+def test_lora_adapters_trained_with_tensor_parallelism_export_as_one_processs(
+    results, workdir4, lora_reference, tmp_path
+):
+    """The breadth-first run's checkpoint exports its adapters for `peft` and merged into a `from_pretrained`
+    folder; both give the logits of the weights it trained (which equal one process's, above), and those of one
+    process within the training's own tolerance."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_bfpp.integrations.huggingface import export_pretrained
+    from tests.hf_models import hf_module
+
+    checkpoint = workdir4 / "out" / LORA_TP[0].name / "end.ckpt"
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    trained = hf_module(LORA_TP[0])
+    trained.materialize()
+    trained.load_state_dict(results[LORA_TP[0].name].params, strict=False)
+    want = trained.eval()(ids)
+    reference = hf_module(LORA_TP[0])
+    reference.materialize()
+    reference.load_state_dict(lora_reference.params, strict=False)
+    assert relative_error(want, reference.eval()(ids)) < 1e-4
+    adapter = export_pretrained(checkpoint, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PRETRAINED), adapter).eval()
+    assert (loaded(input_ids=ids).logits - want).abs().max() <= 1e-6
+    merged = AutoModelForCausalLM.from_pretrained(export_pretrained(checkpoint, tmp_path / "merged", merge=True))
+    assert not any("lora" in n for n in merged.state_dict())
+    assert (merged.eval()(input_ids=ids).logits - want).abs().max() <= 1e-6
 
 
 def test_clipping_uses_the_whole_models_norm(results):

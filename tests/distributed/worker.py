@@ -413,7 +413,7 @@ class InitialParams(L.Callback):
             if "mae" not in name
         }
         strategy = trainer.strategy
-        if strategy.data_parallel_rank == 0:
+        if strategy.data_parallel_rank == 0 and strategy.tensor_rank == 0:  # one writer per file
             torch.save(params, self.out / f"initial_pp{strategy.pipeline_rank}.pt")
 
 
@@ -484,6 +484,21 @@ def _layout_run(strategy: Any) -> dict[str, Any]:
         "mesh_order": config.mesh_order,
         "stage_layer_counts": list(layout.stage_layer_counts),
     }
+
+
+def consolidate_at_end(trainer: L.Trainer, folder: Path) -> None:
+    """``consolidate_at_end``: global rank 0 turns the run's final checkpoint folder into one file twice, with this
+    package's tool (``end.consolidated.ckpt``) and with what Lightning's ``consolidate_checkpoint`` writes
+    (``end.lightning.ckpt``); the other ranks wait."""
+    if trainer.global_rank == 0:
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+        from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+        from lightning_bfpp.consolidate import consolidate
+
+        consolidate(folder, folder.with_name("end.consolidated.ckpt"))
+        torch.save(_format_checkpoint(_load_distributed_checkpoint(folder)), folder.with_name("end.lightning.ckpt"))
+    trainer.strategy.barrier()
 
 
 def run_one(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
@@ -659,6 +674,8 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         fit(trainer, model, loader, val, run, ckpt_path)
         if "save_at_end" in run.checks:
             trainer.save_checkpoint(out / "end.ckpt")
+        if "consolidate_at_end" in run.checks:
+            consolidate_at_end(trainer, out / "end.ckpt")
         rank = trainer.global_rank
         extras = after_fit(trainer, model, run, run.local_batch_size, loader)
     if "warnings" in run.checks:

@@ -3,6 +3,7 @@ tests/distributed/test_resume.py)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def test_an_incomplete_folder_is_refused_before_reading_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{METADATA_FILENAME} .* is missing; data files missing: "):
         check_sharded(path, expected, strict=True)
     (path / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(CheckpointError, match=r"`.metadata` is unreadable"):
+    with pytest.raises(CheckpointError, match=r"cannot read its `.metadata`"):
         check_sharded(path, expected, strict=True)
     (path / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r": it is an empty folder, not a checkpoint .* a one-device checkpoint"):
@@ -316,7 +317,7 @@ def test_dcp_files_run_no_code_either(tmp_path):
             refused.value
         )
         assert not marker.exists()
-    with pytest.raises(CheckpointError, match=r"`\.metadata` is unreadable"):  # the caller's choice: it runs
+    with pytest.raises(CheckpointError, match=r"cannot read its `\.metadata`"):  # the caller's choice: it runs
         _load(hostile_index, module, optimizer, weights_only=False)
     assert marker.exists()
 
@@ -368,7 +369,7 @@ def test_empty_truncated_and_foreign_folders_are_named_for_what_they_are(tmp_pat
 
     cut = _save_folder(tmp_path / "cut.ckpt", module, optimizer)
     (cut / ".metadata").write_bytes((cut / ".metadata").read_bytes()[:40])
-    assert "its `.metadata` is unreadable" in _message(cut, module)
+    assert "cannot read its `.metadata`" in _message(cut, module)
 
     for size in (0, 100):
         meta_cut = _save_folder(tmp_path / f"meta_cut_{size}.ckpt", module, optimizer)
@@ -423,3 +424,81 @@ def test_files_that_are_no_lightning_checkpoint_are_named_for_what_they_are(tmp_
     text = tmp_path / "notes.ckpt"
     text.write_text("epoch 3: loss 0.42\n")
     assert "it is not a checkpoint (torch.load failed with" in _message(text, module)
+
+
+# -- the releases that wrote a folder, and a newer torch's index -------------------------------------
+
+
+def test_a_folder_records_the_releases_that_wrote_it(tmp_path):
+    from lightning_bfpp.engine.checkpoint.saving import _write_metadata
+
+    tmp_path.joinpath("c").mkdir()
+    _write_metadata({"global_step": 3}, tmp_path / "c" / METADATA_FILENAME)
+    recorded = checkpoint_io.recorded_versions(tmp_path / "c")
+    assert recorded == {"torch": torch.__version__, "lightning_bfpp": checkpoint_io.written_by()["lightning_bfpp"]}
+    assert torch.load(tmp_path / "c" / METADATA_FILENAME)[checkpoint_io.VERSIONS_KEY] == recorded
+
+
+def test_an_index_this_torch_cannot_read_is_told_apart_by_the_release_that_wrote_it(tmp_path):
+    """A newer torch's `.metadata` (torch 2.13 cannot unpickle 2.15's) is not called corrupt: the error names both
+    releases and the ways forward, for loading as for consolidating; one written by this torch or an older one is
+    damaged; a folder that records nothing gets both explanations."""
+    module, optimizer = _module_and_optimizer()
+    folders = {}
+    for name, versions in (("newer", {"torch": "9.1.0+cu999", "lightning_bfpp": "9.9"}),
+                           ("same", {"torch": torch.__version__}), ("unrecorded", None)):  # fmt: skip
+        folder = _save_folder(tmp_path / f"{name}.ckpt", module, optimizer)
+        (folder / ".metadata").write_bytes((folder / ".metadata").read_bytes()[:40])
+        if versions is not None:
+            (folder / checkpoint_io.VERSIONS_FILENAME).write_text(json.dumps(versions))
+        folders[name] = folder
+    for read in (lambda f: _load(f, module, optimizer), checkpoint_io.read_whole):
+        messages = {}
+        for name, folder in folders.items():
+            with pytest.raises(CheckpointError) as refused:
+                read(folder)
+            messages[name] = str(refused.value)
+        newer = messages["newer"]
+        running = torch.__version__
+        assert f"written by torch 9.1.0+cu999 (lightning-bfpp 9.9), and this process runs torch {running}" in newer
+        assert "The folder is not damaged. Either resume under torch 9.1 or newer" in newer
+        assert f"`python -m lightning_bfpp.consolidate {folders['newer']} --output_file <file>.ckpt`" in newer
+        assert "corrupt" not in newer
+        assert "although torch" in messages["same"] and "the folder is truncated or corrupt" in messages["same"]
+        unrecorded = messages["unrecorded"]
+        assert "does not record which torch wrote it" in unrecorded and "written by a newer torch" in unrecorded
+
+
+# -- a consolidated file's optimizer state (keyed by parameter name) ---------------------------------
+
+
+def _two_groups() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(
+        [{"params": module[0].parameters(), "lr": 0.1}, {"params": module[1].parameters(), "lr": 0.01}]
+    )
+    return module, optimizer
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+def test_an_optimizer_state_keyed_by_name_loads_as_torchs_own_would(stepped):
+    """What a folder stores and a consolidated file holds (``state.<name>.<key>``, ``param_groups.<name>.<key>``)
+    loads into a fresh optimizer as ``Optimizer.load_state_dict`` of the same state would: every tensor and setting,
+    several groups; saved before the first step, no state."""
+    module, optimizer = _two_groups()
+    if stepped:
+        module(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+    by_name = checkpoint_io.optimizer_state(module, optimizer)
+    assert checkpoint_io.one_device.is_keyed_by_name(by_name)
+    fresh_module, fresh = _two_groups()
+    fresh.param_groups[1]["lr"] = 5.0  # overwritten by the saved value
+    names = [n for n, _ in module.named_parameters()]
+    checkpoint_io.load_full_optimizer(fresh_module, fresh, by_name, names)
+    want, got = optimizer.state_dict(), fresh.state_dict()
+    assert [g["lr"] for g in got["param_groups"]] == [0.1, 0.01]
+    assert set(got["state"]) == set(want["state"]) == ({0, 1, 2, 3} if stepped else set())
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)

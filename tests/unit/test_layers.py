@@ -127,3 +127,37 @@ def test_stage_module_passes_tuples_like_one_device():
     x = torch.ones(2)
     # torch's pipeline unpacks a tuple output into several positional inputs of the next stage
     assert torch.equal(second(*first(x)), 3 * x)
+
+
+def test_a_meta_layer_starts_from_the_seed_and_its_name_whichever_rank_and_layout_materializes_it():
+    """Each module made on the meta device is initialized from (seed, its name in the module): the same values
+    whether the whole model is materialized in one process or each rank keeps its own layers under any split, and
+    whichever layers a rank drew before; another seed gives other values; the process's generators are untouched."""
+    seed = 1234
+
+    def meta_net() -> Net:
+        with torch.device("meta"):
+            return Net()
+
+    whole = meta_net()
+    from lightning_bfpp.engine.layers import materialize_meta
+
+    materialize_meta(whole, torch.device("cpu"), seed=seed)
+    want = whole.state_dict()
+    before = torch.get_rng_state()
+    for owners in ([0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 0, 1], [1, 1, 1, 1, 1, 0]):
+        for rank in (0, 1):
+            net = meta_net()
+            named = pipeline_layers(net)
+            keep_local_layers(net, named, owners, pipeline_rank=rank, device=torch.device("cpu"), seed=seed)
+            for name, value in net.state_dict().items():
+                assert torch.equal(value, want[name]), (owners, rank, name)
+    assert torch.equal(torch.get_rng_state(), before)
+    other = meta_net()
+    materialize_meta(other, torch.device("cpu"), seed=seed + 1)
+    assert not torch.equal(other.state_dict()["head.weight"], want["head.weight"])
+    # the default seed is the process's torch seed, as `seed_everything` sets it
+    torch.manual_seed(seed)
+    default = meta_net()
+    materialize_meta(default, torch.device("cpu"))
+    assert all(torch.equal(v, want[k]) for k, v in default.state_dict().items())

@@ -176,3 +176,35 @@ def test_the_vocabulary_parallel_embedding_refuses_a_vocabulary_its_ranks_do_not
 
     with pytest.raises(ValueError, match="needs a vocabulary that 2 divides; the embedding has 17 rows"):
         VocabParallelEmbedding()._apply(nn.Embedding(17, 4), TwoRanks())
+
+
+def test_lora_adapters_split_with_their_base_layer():
+    """A LoRA-wrapped projection: its base layer takes the plan's style, a column-wise base's B is column-wise (A
+    whole), a row-wise base's A is row-wise (B whole), each adapter of the layer alike; DoRA and LoRA on the
+    split embedding are refused by name."""
+    pytest.importorskip("peft")
+    from lightning_bfpp.integrations.huggingface import HFCausalLM, tensor_parallel_plan
+    from tests.hf_models import tiny_config
+
+    torch.manual_seed(0)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "lora_dropout": 0.0}
+    llama = HFCausalLM(tiny_config("llama", layers=2), lora=lora)
+    block = tensor_parallel_plan(llama, llama.blocks[0], 2)
+    assert {k: type(v).__name__ for k, v in block.items()} == {
+        "layer.self_attn.q_proj.base_layer": "ColwiseParallel",
+        "layer.self_attn.q_proj.lora_B.default": "ColwiseParallel",
+        "layer.self_attn.k_proj": "ColwiseParallel",
+        "layer.self_attn.v_proj.base_layer": "ColwiseParallel",
+        "layer.self_attn.v_proj.lora_B.default": "ColwiseParallel",
+        "layer.self_attn.o_proj": "RowwiseParallel",
+        "layer.mlp.gate_proj": "ColwiseParallel",
+        "layer.mlp.up_proj": "ColwiseParallel",
+        "layer.mlp.down_proj.base_layer": "RowwiseParallel",
+        "layer.mlp.down_proj.lora_A.default": "RowwiseParallel",
+    }
+    dora = HFCausalLM(tiny_config("llama", layers=2), lora={**lora, "use_dora": True})
+    with pytest.raises(ValueError, match=r"LoRA variants \(DoRA\) on a tensor-parallel layer are not supported"):
+        tensor_parallel_plan(dora, dora.blocks[0], 2)
+    embedded = HFCausalLM(tiny_config("llama", layers=2), lora={**lora, "target_modules": ["embed_tokens"]})
+    with pytest.raises(ValueError, match="LoRA on a tensor-parallel embedding is not supported: `embed_tokens`"):
+        tensor_parallel_plan(embedded, embedded.embed, 2)

@@ -8,6 +8,8 @@ any other: each rank asks for the names of its own stages, in its own sharding. 
 one Lightning's ``consolidate_checkpoint`` expects, so that tool turns the folder into one ordinary
 checkpoint file. A tied parameter is stored once, under its canonical name; ``meta.pt`` records its other
 names, so that consolidating writes a file holding both, as a one-device tied model's ``state_dict`` does.
+``meta.pt`` also records the torch and lightning-bfpp releases that wrote the folder: an older torch may not
+read a newer one's DCP index, and then says so, with the ways forward.
 
 One concern per module, all re-exported here:
 
@@ -32,6 +34,8 @@ from lightning_bfpp.engine.checkpoint.checks import (
     check_sharded,
     checkpoint_keys,
     local_shapes,
+    read_index,
+    recorded_versions,
 )
 from lightning_bfpp.engine.checkpoint.errors import CheckpointError, raise_on_every_rank
 from lightning_bfpp.engine.checkpoint.loader_states import gather_loader_states, replica_loader_states
@@ -42,6 +46,8 @@ from lightning_bfpp.engine.checkpoint.names import (
     METADATA_FILENAME,
     MODEL_KEY,
     TIED_KEY,
+    VERSIONS_FILENAME,
+    VERSIONS_KEY,
     from_canonical,
     is_sharded_checkpoint,
     model_state,
@@ -49,6 +55,7 @@ from lightning_bfpp.engine.checkpoint.names import (
     optimizer_state,
     to_canonical,
     with_tied_names,
+    written_by,
 )
 from lightning_bfpp.engine.checkpoint.one_device import load_full_optimizer, load_full_weights
 from lightning_bfpp.engine.checkpoint.saving import _swap_in as _swap_in
@@ -61,6 +68,8 @@ __all__ = [
     "METADATA_FILENAME",
     "MODEL_KEY",
     "TIED_KEY",
+    "VERSIONS_FILENAME",
+    "VERSIONS_KEY",
     "CheckpointError",
     "Shapes",
     "check_full",
@@ -78,8 +87,10 @@ __all__ = [
     "optimizer_key",
     "optimizer_state",
     "raise_on_every_rank",
+    "read_index",
     "read_whole",
     "reader",
+    "recorded_versions",
     "replica_loader_states",
     "resolve_path",
     "resolve_weights_only",
@@ -87,4 +98,5 @@ __all__ = [
     "to_canonical",
     "torch_load",
     "with_tied_names",
+    "written_by",
 ]

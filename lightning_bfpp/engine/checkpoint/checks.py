@@ -7,6 +7,8 @@ that says what the path holds instead and what to do, rather than DCP's per-rank
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_bfpp.engine.checkpoint.errors import CheckpointError
-from lightning_bfpp.engine.checkpoint.names import METADATA_FILENAME, MODEL_KEY
+from lightning_bfpp.engine.checkpoint.names import METADATA_FILENAME, MODEL_KEY, VERSIONS_FILENAME
 from lightning_bfpp.engine.checkpoint.unpickling import _read_metadata
 
 _LISTED = 6  # names shown per kind of mismatch
@@ -92,6 +94,76 @@ def _no_index(path: Path, where: str) -> CheckpointError:
     )
 
 
+def read_index(path: Path, *, weights_only: bool | None = None) -> Any:
+    """DCP's index (``.metadata``) of the folder ``path``, or one :class:`CheckpointError` saying why not: no index
+    (what the folder holds instead), an index written by a newer torch than this one (which releases, and the ways
+    forward), or an unreadable one (the folder is damaged)."""
+    where = f"BFPPStrategy cannot load the checkpoint {path}"
+    try:
+        return _read_metadata(path, weights_only=weights_only)
+    except CheckpointError:
+        raise
+    except FileNotFoundError:
+        raise _no_index(path, where) from None
+    except Exception as error:  # any unpickling error means the same
+        raise _unreadable_index(path, where, error) from None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.15.0+cu130"`` -> ``(2, 15, 0)``; the leading numbers only."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _unreadable_index(path: Path, where: str, error: Exception) -> CheckpointError:
+    """The error for a ``.metadata`` this torch cannot unpickle: a newer torch's index format (told apart by the
+    releases ``meta.pt`` records), or a damaged folder."""
+    written = recorded_versions(path)
+    found = f"{type(error).__name__}: {error}"
+    running = torch.__version__
+    if written is None:
+        return CheckpointError(
+            f"{where}: torch {running} cannot read its `.metadata` ({found}), and the folder does not record which"
+            f" torch wrote it (no {VERSIONS_FILENAME}: an older lightning-bfpp wrote it)."
+            " Either it was written by a newer torch, whose torch.distributed.checkpoint index"
+            " an older one cannot read (resume under that torch, or consolidate it there into one file with"
+            f" `python -m lightning_bfpp.consolidate {path}` and resume from that file), or the folder is truncated"
+            " or corrupt (copy it again from where it was written, or resume from an earlier checkpoint)."
+        )
+    writer = written.get("torch", "unknown")
+    if _release(writer)[:2] > _release(running)[:2]:
+        release = ".".join(map(str, _release(writer)[:2]))
+        return CheckpointError(
+            f"{where}: it was written by torch {writer} (lightning-bfpp {written.get('lightning_bfpp', 'unknown')}),"
+            f" and this process runs torch {running}, which cannot read that torch's torch.distributed.checkpoint"
+            f" index (`.metadata`: {found}). The folder is not damaged. Either resume under torch {release} or newer,"
+            f" or, under torch {release}, consolidate it into one file (`python -m lightning_bfpp.consolidate {path}"
+            f' --output_file <file>.ckpt`) and resume from that file here (`ckpt_path="<file>.ckpt"`): a'
+            " consolidated file resumes exactly, under any layout and any supported torch."
+        )
+    return CheckpointError(
+        f"{where}: its `.metadata` is unreadable ({found}), although torch {writer}, which wrote it, is not newer than"
+        f" this process's {running}: the folder is truncated or corrupt. Copy it again from where it was written, or"
+        " resume from an earlier checkpoint."
+    )
+
+
+def recorded_versions(path: Path) -> dict[str, str] | None:
+    """The releases that wrote the checkpoint folder ``path``, as its ``bfpp_versions.json`` records them (JSON: read
+    without unpickling anything, by any torch); None where it has none (written before this package recorded
+    them) or it cannot be read."""
+    try:
+        versions = json.loads((path / VERSIONS_FILENAME).read_text())
+    except Exception:  # missing or unreadable: nothing to say about versions
+        return None
+    return {str(k): str(v) for k, v in versions.items()} if isinstance(versions, dict) else None
+
+
 def check_sharded(path: Path, expected: Shapes, *, strict: bool, weights_only: bool | None = None) -> None:
     """Refuse a DCP folder that is incomplete, foreign or was saved from another model, before anything is read.
 
@@ -102,17 +174,7 @@ def check_sharded(path: Path, expected: Shapes, *, strict: bool, weights_only: b
     more than DCP writes there.
     """
     where = f"BFPPStrategy cannot load the checkpoint {path}"
-    try:
-        metadata = _read_metadata(path, weights_only=weights_only)
-    except CheckpointError:
-        raise
-    except FileNotFoundError:
-        raise _no_index(path, where) from None
-    except Exception as error:  # any unpickling error means the same
-        raise CheckpointError(
-            f"{where}: its `.metadata` is unreadable ({type(error).__name__}: {error}); the folder is truncated"
-            " or corrupt. Copy it again from where it was written, or resume from an earlier checkpoint."
-        ) from None
+    metadata = read_index(path, weights_only=weights_only)
     keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
     if MODEL_KEY not in keys:
         if "state_dict" in keys:

@@ -26,7 +26,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_bfpp.engine import _compat, agreement
-from lightning_bfpp.engine.checkpoint.checks import _EXPECTED, Shapes, _listed, check_full, check_sharded, local_shapes
+from lightning_bfpp.engine.checkpoint.checks import (
+    _EXPECTED,
+    Shapes,
+    _listed,
+    check_full,
+    check_sharded,
+    local_shapes,
+    read_index,
+)
 from lightning_bfpp.engine.checkpoint.errors import CheckpointError, _load_failure, raise_on_every_rank
 from lightning_bfpp.engine.checkpoint.names import (
     _OPTIMIZER_OPTIONS,
@@ -263,6 +271,7 @@ def read_whole(folder: Path, *, weights_only: bool | None = None) -> dict[str, A
     of its ``meta.pt``: what Lightning's ``consolidate_checkpoint`` reads, with ``weights_only`` applied to every
     file (Lightning's reader unpickles ``.metadata`` and DCP's non-tensor entries in full)."""
     folder = Path(folder)
+    read_index(folder, weights_only=weights_only)  # refused with the reason (a newer torch's index, no index, …)
     safe = resolve_weights_only(weights_only)
     planner = _CheckedWholePlanner() if safe else _compat.EmptyStateDictLoadPlanner()
     try:

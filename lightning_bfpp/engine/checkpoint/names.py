@@ -38,6 +38,24 @@ METADATA_FILENAME = "meta.pt"
 LOADER_STATES_KEY = "bfpp_loader_states"
 # meta.pt's entry naming the tied parameters' other names and their canonical names
 TIED_KEY = "bfpp_tied_parameters"
+# meta.pt's entry naming the releases that wrote the checkpoint (torch's DCP index format changes between releases),
+# and the same as a JSON file beside it: readable by any torch without unpickling anything
+VERSIONS_KEY = "bfpp_versions"
+VERSIONS_FILENAME = "bfpp_versions.json"
+
+
+def written_by() -> dict[str, str]:
+    """The releases a checkpoint written now records (:data:`VERSIONS_KEY`): torch's, whose DCP index an older
+    torch may not read, and this package's. (Lightning records its own as ``pytorch-lightning_version``.)"""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("lightning-bfpp")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        package = "unknown"
+    return {"torch": str(torch.__version__), "lightning_bfpp": package}  # str: torch's own is a str subclass
+
+
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 

@@ -1,8 +1,9 @@
 """A one-device checkpoint file's weights and optimizer state, sliced into this rank's stages.
 
-Such a file (``trainer.save_checkpoint`` under another strategy) holds every full tensor and torch's optimizer
-state keyed by parameter position; each rank takes the names of its own stages and their shards of the
-tensors, without communication.
+Such a file holds every full tensor, and an optimizer state keyed by parameter position (torch's, from
+``trainer.save_checkpoint`` under another strategy) or by parameter name (a BFPPStrategy folder consolidated into
+one file, by ``python -m lightning_bfpp.consolidate`` or Lightning's tool); each rank takes the names of its own
+stages and their shards of the tensors, without communication.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def load_full_optimizer(
     aliases = aliases or {}
     if not optimizer.param_groups:  # nothing that trains on this rank
         return
+    if is_keyed_by_name(saved):
+        _load_named_optimizer(module, optimizer, saved, aliases)
+        return
     groups = saved["param_groups"]
     if len(groups) != 1 or len(optimizer.param_groups) != 1:
         raise RuntimeError(
@@ -100,6 +104,54 @@ def load_full_optimizer(
         "param_groups": [{**hyper, "params": names}],
     }
     set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def is_keyed_by_name(saved: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state is keyed by parameter name (``state.<name>.<key>``, ``param_groups.<name>.<key>``):
+    what a BFPPStrategy folder stores (see :mod:`~lightning_bfpp.engine.checkpoint.names`), and so what a file
+    consolidated from one holds, by this package's tool or Lightning's; torch's own is keyed by position."""
+    return "param_groups" not in saved and all(
+        isinstance(key, str) and key.startswith(("state.", "param_groups.")) for key in saved
+    )
+
+
+def _load_named_optimizer(
+    module: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], aliases: Mapping[str, str]
+) -> None:
+    """Load an optimizer state keyed by parameter name (:func:`is_keyed_by_name`) into this rank's optimizer: each
+    local parameter takes the entries stored under its (canonical) name, whatever layout or group split wrote
+    them; each group's settings are its first parameter's, as torch's ``flatten_optimizer_state_dict`` reads
+    them. A state saved before the first step holds group entries only and leaves the optimizer without state,
+    as ``Optimizer.load_state_dict`` on one device does."""
+    states: dict[str, dict[str, Any]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for key, value in saved.items():
+        kind, _, rest = key.partition(".")
+        name, _, entry = rest.rpartition(".")
+        (states if kind == "state" else settings).setdefault(name, {})[entry] = value
+    local_names = {id(p): n for n, p in module.named_parameters()}
+    groups, state, missing = [], {}, []
+    for group in optimizer.param_groups:
+        names = [local_names[id(p)] for p in group["params"]]
+        stored = [aliases.get(n, n) for n in names]
+        missing += [n for n in stored if n not in settings]
+        if missing:
+            continue
+        groups.append({**settings[stored[0]], "params": names})
+        for name, canonical in zip(names, stored, strict=True):
+            if canonical in states:  # a tied parameter's copies must not share state tensors
+                state[name] = _cloned(states[canonical]) if name in aliases else states[canonical]
+    if missing:
+        raise RuntimeError(
+            f"The checkpoint's optimizer state has no entry for {', '.join(missing[:5])}"
+            f"{' …' if len(missing) > 5 else ''}: it was saved for a different model, or an optimizer over other"
+            " parameters."
+        )
+    set_optimizer_state_dict(
+        module, optimizer, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
+    )
+    if not states:  # saved before the first step: torch filled a state on zero gradients; one device has none
+        optimizer.state.clear()
 
 
 def _cloned(state: Mapping[str, Any]) -> dict[str, Any]:

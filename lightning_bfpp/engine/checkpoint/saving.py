@@ -7,6 +7,7 @@ the swap's two renames leaves the previous checkpoint as ``<path>.old``, which l
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,13 @@ from torch.distributed.checkpoint import CheckpointException
 
 from lightning_bfpp.engine.agreement import describe
 from lightning_bfpp.engine.checkpoint.errors import CheckpointError, _dcp_failures, raise_on_every_rank
-from lightning_bfpp.engine.checkpoint.names import METADATA_FILENAME, is_sharded_checkpoint
+from lightning_bfpp.engine.checkpoint.names import (
+    METADATA_FILENAME,
+    VERSIONS_FILENAME,
+    VERSIONS_KEY,
+    is_sharded_checkpoint,
+    written_by,
+)
 
 
 def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_global_zero: bool) -> None:
@@ -74,7 +81,10 @@ def _discard(path: Path) -> None:
 
 
 def _write_metadata(metadata: dict[str, Any], file: Path) -> None:
-    torch.save(metadata, file)
+    """``meta.pt``, and the releases that wrote the folder as JSON beside it (see :func:`written_by`)."""
+    versions = written_by()
+    (file.parent / VERSIONS_FILENAME).write_text(json.dumps(versions) + "\n")
+    torch.save({**metadata, VERSIONS_KEY: versions}, file)
 
 
 def _remove(path: Path) -> None:

@@ -81,3 +81,50 @@ def _apply_lora(model: PreTrainedModel, config: Any, adapter: str) -> None:
     peft = _peft()
     _check_lora_config(config)
     peft.get_peft_model(model, copy.deepcopy(config), adapter_name=adapter)
+
+
+def _split_with_base(module: Any, path: str, style: str, make_style: Any, size: int) -> dict[str, Any] | None:
+    """How a LoRA layer at ``path`` splits over ``size`` tensor ranks when the model's plan splits its base layer
+    with ``style``, as Megatron-LM and NeMo split adapters with their base layer; None when ``module`` is no LoRA
+    layer (the base layer itself takes the plan's style).
+
+    LoRA adds ``B(A(x)) * scaling`` to the base layer's output. A column-wise base (output split by heads or
+    units) takes a column-wise B, whose output is split alike, and a whole A (``r`` columns are few): each rank
+    adds its share of the update to its share of the output, and A's gradient comes summed over the group through
+    B's input, as a column-wise layer's input gradient does. A row-wise base (input split, partial sums
+    all-reduced) takes a row-wise A, which reads the same share of the input and all-reduces its ``r`` outputs,
+    and a whole B: each rank adds the whole update to the whole output. So the adapters hold ``1/size`` of their
+    split matrix per rank, and what the layer computes is the one-device sum. Refused: LoRA on a split embedding
+    (its adapters are bare parameters, not layers), and LoRA variants (DoRA's norm of the merged weight needs the
+    whole weight)."""
+    if not type(module).__module__.startswith("peft."):
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(module, LoraLayer):
+        return None
+    where = f"`{path}` (the model's tensor-parallel plan splits it `{style}`)"
+    if getattr(module, "lora_variant", None):
+        raise ValueError(
+            f"BFPPStrategy(tensor_parallel_size={size}): LoRA variants (DoRA) on a tensor-parallel layer are not"
+            f" supported: {where} is a `{type(next(iter(module.lora_variant.values()))).__name__}` adapter whose"
+            " magnitude needs the whole merged weight. Use plain LoRA (`use_dora=False`), or train without tensor"
+            " parallelism."
+        )
+    if style.startswith("embedding") or module.lora_embedding_A:
+        raise ValueError(
+            f"BFPPStrategy(tensor_parallel_size={size}): LoRA on a tensor-parallel embedding is not supported: {where}."
+            " Leave the embedding out of `target_modules` (adapters on the attention and MLP projections are the"
+            " usual choice), or train without tensor parallelism."
+        )
+    styles = {f"{path}.base_layer": make_style(style)}
+    if style.startswith("colwise"):
+        styles.update({f"{path}.lora_B.{adapter}": make_style(style) for adapter in module.lora_B})
+    elif style.startswith("rowwise"):
+        styles.update({f"{path}.lora_A.{adapter}": make_style(style) for adapter in module.lora_A})
+    else:
+        raise ValueError(
+            f"BFPPStrategy(tensor_parallel_size={size}): LoRA on a layer the plan splits `{style}` is not supported:"
+            f" {where}. Leave it out of `target_modules`, or train without tensor parallelism."
+        )
+    return styles

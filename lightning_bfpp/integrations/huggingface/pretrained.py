@@ -14,11 +14,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_bfpp.adapter import _lightning_compat
-from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.pretrained import PretrainedWeights, PretrainedWeightsError
 from lightning_bfpp.integrations.huggingface.loading import _dtype, _load
 from lightning_bfpp.integrations.huggingface.lora import _apply_lora, _is_peft_model, _lora_config, _unwrap_peft
@@ -163,21 +161,16 @@ class _HFWeights(L.LightningModule):
     def materialize(self, device: torch.device | str = "cpu") -> None:
         """Allocate whatever of the model is on the meta device, on ``device``, and fill it: from the pretrained
         weights if the model was built from a name or folder (read whole, in the module's dtype), else as the model
-        initializes itself. For use on one device; a no-op when nothing is on the meta device."""
-        from lightning_bfpp.engine.layers import materialize_meta
+        initializes itself, each module from the process's seed and its name (see
+        :func:`~lightning_bfpp.engine.layers.materialize_meta`). For use on one device; a no-op when nothing is on the
+        meta device."""
+        from lightning_bfpp.engine.layers import materialize_whole
 
         if not any(t.is_meta for t in (*self.parameters(), *self.buffers())):
             return
-        # each module allocates its own tensors: a weight tied across modules is tied again afterwards
-        places: dict[int, list[tuple[nn.Module, str]]] = {}
-        for module in self.modules():
-            for name, param in _compat.parameter_slots(module).items():
-                if param is not None:
-                    places.setdefault(id(param), []).append((module, name))
-        materialize_meta(self, torch.device(device))
-        for (owner, owner_name), *others in places.values():
-            for module, name in others:
-                _compat.parameter_slots(module)[name] = _compat.parameter_slots(owner)[owner_name]
+        # each module from the seed and its name, as the strategy's ranks materialize theirs: LoRA adapters and a
+        # new head start alike here and under any layout; a weight tied across modules is tied again afterwards
+        materialize_whole(self, torch.device(device))
         if self.pipeline_pretrained is not None:
             self.pipeline_pretrained.fill_module(self)
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_bfpp.engine import _compat
 from lightning_bfpp.engine.tensor_regions import SumGradient, SumOutputs
 from lightning_bfpp.integrations.huggingface.blocks import CausalEmbedding, CausalLMHead, DecoderBlock
+from lightning_bfpp.integrations.huggingface.lora import _split_with_base
 
 if TYPE_CHECKING:
     from lightning_bfpp.integrations.huggingface.modules import _HFPipelineModule
@@ -127,7 +128,9 @@ def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int)
     LM head) gathers the logits; ``embedding_rowwise`` (the token embedding, which ``transformers`` ≥ 5 adds to
     every plan) splits the vocabulary: each rank looks up the ids its rows hold and the lookups are summed.
     Qwen 3's per-head q/k norms (``replicated_with_grad_allreduce``) stay whole with their gradients summed over
-    the group (:class:`GradientsSummedOverTensorGroup`). Refused, naming the entry: a style this adapter does not
+    the group (:class:`GradientsSummedOverTensorGroup`). A projection with LoRA adapters splits its base layer by
+    the plan and its adapters with it (see :func:`~lightning_bfpp.integrations.huggingface.lora._split_with_base`).
+    Refused, naming the entry: a style this adapter does not
     apply (packed or expert-parallel layouts, sequence parallelism), a model without a plan, sizes that ``size``
     does not divide.
     """
@@ -163,7 +166,7 @@ def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int)
             continue
         path = target + key[len(prefix) :]
         try:
-            layer.get_submodule(path)
+            target_module = layer.get_submodule(path)
         except AttributeError:
             continue  # e.g. the embedding's entry seen from the head
         if kind not in _TP_STYLES:
@@ -172,5 +175,6 @@ def tensor_parallel_plan(module: _HFPipelineModule, layer: nn.Module, size: int)
                 f" which this adapter does not apply (it applies {', '.join(_TP_STYLES)}); pass `parallelize_fn=`"
                 " to the strategy with a plan of your own, or train without tensor parallelism."
             )
-        styles[path] = _tp_style(kind)
+        with_lora = _split_with_base(target_module, path, kind, _tp_style, size)
+        styles.update(with_lora if with_lora is not None else {path: _tp_style(kind)})
     return styles

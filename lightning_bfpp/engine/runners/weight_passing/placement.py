@@ -119,7 +119,7 @@ def place_chunks(
     borrowed = {}
     for (name, layer), rank in zip(named, owner, strict=True):
         if rank != me:
-            materialize_meta(layer, device)
+            materialize_meta(layer, device, name=name, seed=context.base_seed)
             borrowed[name] = context.convert_module(layer.to(device))
             follow_mode(borrowed[name], module)
     tied = retie(identities, ties, layer_stage, chunk_owner)  # a layer's own ties, broken by to_empty
