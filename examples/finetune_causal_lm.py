@@ -15,7 +15,9 @@ OLMo 2, Granite, GPT-NeoX, Cohere, Mixtral, Qwen3-MoE, GPT-2), ``--model.pretrai
     python examples/finetune_causal_lm.py fit --model.family gpt2 --model.layers 6 --trainer.max_steps 50
     python examples/finetune_causal_lm.py fit --model.pretrained runs/finetune_causal_lm/pretrained --model.lora true
 
-The held-out perplexity is measured before and after training (``trainer.validate``); at the end every
+The held-out perplexity is measured before and after training (``trainer.validate``), and after every validation
+the model's greedy completion of ``--model.completion_prompt`` is printed: ``HFCausalLM.generate``, through the
+pipeline under BFPPStrategy (docs/generation.md). At the end every
 process writes its part of a checkpoint, global rank 0 turns it into a ``from_pretrained`` folder with
 ``export_pretrained`` (``<default_root_dir>/pretrained``), loads that on its own and prints a sampled
 continuation of a prompt: the same path whether the run was pipelined or ``strategy="auto"``. With LoRA, the
@@ -138,6 +140,8 @@ class PydocLM(HFCausalLM):
         warmup_steps: int = 20,
         lora: bool = False,
         lora_rank: int = 8,
+        completion_prompt: str = 'The "for" statement',
+        completion_tokens: int = 40,
     ) -> None:
         if pretrained is None:
             model: Any = small_config(family, layers, hidden_size, heads, ByteTokenizer.vocab_size, max_len)
@@ -147,9 +151,22 @@ class PydocLM(HFCausalLM):
         adapters = {"r": lora_rank, "lora_alpha": 2 * lora_rank, "target_modules": "all-linear"} if lora else None
         super().__init__(model, lr=lr, weight_decay=weight_decay, lora=adapters)
         self.warmup_steps = warmup_steps
+        self.tokenizer = load_tokenizer(pretrained)
+        self.completion_prompt, self.completion_tokens = completion_prompt, completion_tokens
         # `from_pretrained` leaves the model in eval mode, and Lightning keeps each submodule's mode: train
         # mode here so that dropout (where the config has it) is on while training
         self.train()
+
+    def on_validation_epoch_end(self) -> None:
+        """What the model writes now: a greedy completion of a fixed prompt after each validation, generated through
+        the pipeline under BFPPStrategy (every process takes part; global rank 0 prints it)."""
+        if self.trainer.sanity_checking or not self.completion_tokens:
+            return
+        ids = torch.tensor([encode(self.tokenizer, self.completion_prompt)])
+        out = self.generate(ids, max_new_tokens=self.completion_tokens, do_sample=False, eos_token_id=None)
+        if self.trainer.is_global_zero:
+            text = self.tokenizer.decode(out[0].tolist())
+            print(f"\ncompletion at step {self.trainer.global_step}: {text!r}", flush=True)
 
     def configure_optimizers(self) -> Any:
         trained = [p for p in self.parameters() if p.requires_grad]  # with LoRA, the adapters

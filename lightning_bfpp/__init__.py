@@ -22,15 +22,16 @@ except ImportError:  # the engine alone
     StrategyRegistry = None
 
 if StrategyRegistry is not None:
+    from lightning_bfpp.adapter.generation import generate
     from lightning_bfpp.adapter.strategy import BFPPStrategy
 
     BFPPStrategy.register_strategies(StrategyRegistry)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "BFPPStrategy":
-        raise ImportError("`lightning_bfpp.BFPPStrategy` needs Lightning (`pip install lightning`).")
+    if name in ("BFPPStrategy", "generate"):
+        raise ImportError(f"`lightning_bfpp.{name}` needs Lightning (`pip install lightning`).")
     raise AttributeError(f"module 'lightning_bfpp' has no attribute {name!r}")
 
 
-__all__ = ["BFPPStrategy", "PretrainedWeights", "__version__", "load_pretrained", "mean_over_items"]
+__all__ = ["BFPPStrategy", "PretrainedWeights", "__version__", "generate", "load_pretrained", "mean_over_items"]

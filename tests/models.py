@@ -490,7 +490,9 @@ def after_fit(
         out["markers"] = model.marker_report()
     if "predict" in run.checks:
         # the per-replica batch size on every strategy, so one device yields the same batches
-        predictions = trainer.predict(model, eval_loader(run, run.local_batch_size, seed=4))
+        # a model of its own predicts on its own data
+        data = loader if run.loader_factory is not None else eval_loader(run, run.local_batch_size, seed=4)
+        predictions = trainer.predict(model, data)
         out["predict"] = predictions
     return out
 

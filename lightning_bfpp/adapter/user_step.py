@@ -28,12 +28,29 @@ from torchmetrics import Metric
 
 from lightning_bfpp.adapter._lightning_compat import metric_state_snapshot, metric_step_value, restore_metric_state
 from lightning_bfpp.engine._compat import instance_attributes, tree_flatten
+from lightning_bfpp.engine.generation import sampling_seed
 from lightning_bfpp.engine.loss import item_sum
 
 # `self.log`'s options and defaults, read once: a step logs per micro-batch, so no per-call signature binding
 _LOG_OPTIONS = list(inspect.signature(LightningModule.log).parameters.values())[3:]  # after self, name, value
 _LOG_DEFAULTS = {p.name: p.default for p in _LOG_OPTIONS}
 _LOG_POSITIONAL = tuple(p.name for p in _LOG_OPTIONS if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _GenerationCaptured(BaseException):
+    """Raised by the stand-in ``generate`` to stop a step at its ``self.generate(...)`` call."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.call = GenerationCall(args, kwargs)
+
+
+@dataclass
+class GenerationCall:
+    """A step's ``self.generate(...)`` call: its arguments (the prompts and the decoding options)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 class _ModelInputCaptured(BaseException):
@@ -82,6 +99,41 @@ def capture_model_input(
     )
 
 
+def capture_generation(
+    module: LightningModule,
+    step: Callable[..., Any],
+    step_name: str,
+    *step_args: Any,
+    metrics: Sequence[Metric] = (),
+) -> GenerationCall | None:
+    """Run ``step(*step_args)`` up to its ``self.generate(...)`` call and return that call; None where the step calls
+    ``self(...)`` first (it runs as a pipelined forward). Undone afterwards as :func:`capture_model_input` undoes."""
+
+    def stop_at_forward(*args: Any, **kwargs: Any) -> Any:
+        raise _ModelInputCaptured(args, kwargs)
+
+    def stop_at_generate(*args: Any, **kwargs: Any) -> Any:
+        raise _GenerationCaptured(args, kwargs)
+
+    saved = [metric_state_snapshot(metric) for metric in metrics]
+    stubs = {"forward": stop_at_forward, "generate": stop_at_generate, "log": _discard, "log_dict": _discard}
+    try:
+        with instance_attributes(module, **stubs):
+            try:
+                step(*step_args)
+            except _GenerationCaptured as captured:
+                return captured.call
+            except _ModelInputCaptured:
+                return None
+    finally:
+        for metric, state in zip(metrics, saved, strict=True):
+            restore_metric_state(metric, state)
+    raise RuntimeError(
+        f"BFPPStrategy: `{step_name}` returned without calling `self(...)` or `self.generate(...)`; under"
+        " BFPPStrategy a step's result must come from the pipeline, through one of them."
+    )
+
+
 def training_step_input(module: LightningModule, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What ``module.training_step(batch, 0)`` passes to ``self(...)``: the pipeline's input for ``batch``, the
     capture a profile's first layer runs on (``lightning_bfpp.measure.profile.profile_module``'s ``capture``)."""
@@ -121,6 +173,42 @@ def model_returns(module: LightningModule, output: Any) -> Iterator[Callable[[],
 
     with instance_attributes(module, forward=pipeline_output):
         yield lambda: calls
+
+
+@contextmanager
+def generate_returns(module: LightningModule, output: Any) -> Iterator[Callable[[], int]]:
+    """Inside the block, ``module.generate(...)`` returns ``output`` and ``module(...)`` is refused; yields a function
+    telling how often ``generate`` was called."""
+    calls = 0
+
+    def generated(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return output
+
+    def no_forward(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_ONE_OR_THE_OTHER)
+
+    with instance_attributes(module, generate=generated, forward=no_forward):
+        yield lambda: calls
+
+
+_ONE_OR_THE_OTHER = (
+    "BFPPStrategy: a step that calls `self.generate(...)` cannot also call `self(...)`: the pipeline runs one of them"
+    " per step. Compute what needs the model's forward (a loss on the completions) in a step of its own, e.g. in"
+    " the next batch, or score the completions with `generate(..., return_dict_in_generate=True,"
+    " output_logits=True)`."
+)
+
+
+def check_generate_called(calls: int, step_name: str) -> None:
+    """A generating step's last-stage run must call ``self.generate(...)`` exactly once, as its first-stage run did."""
+    if calls != 1:
+        raise RuntimeError(
+            f"BFPPStrategy: `{step_name}` calls `self.generate(...)` {calls} times on the last pipeline stage. The"
+            " pipeline generates once per step, for the first call's prompts; generate for every prompt in one call"
+            " (concatenate them along the batch dimension), with the same options."
+        )
 
 
 def check_model_called(calls: int, step_name: str) -> None:
@@ -264,6 +352,31 @@ class LightningStep:
     def capture(self, step_name: str, microbatch: Any, step_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict]:
         step = getattr(self.module, step_name)
         return capture_model_input(self.module, step, step_name, microbatch, *step_args, metrics=self.metrics)
+
+    @property
+    def can_generate(self) -> bool:
+        """Whether the module has a ``generate`` method (``HFCausalLM``'s, or one of the module's own calling
+        :func:`lightning_bfpp.generate`): its evaluation steps may call ``self.generate(...)`` instead of
+        ``self(...)``."""
+        return callable(getattr(self.module, "generate", None))
+
+    def capture_generation(self, step_name: str, batch: Any, step_args: tuple[Any, ...]) -> GenerationCall | None:
+        step = getattr(self.module, step_name)
+        return capture_generation(self.module, step, step_name, batch, *step_args, metrics=self.metrics)
+
+    def generate(self, call: GenerationCall, seed: int) -> Any:
+        """The step's ``self.generate(...)`` call, run by every rank of the pipeline; sampling draws from ``seed``."""
+        with sampling_seed(seed):
+            return self.module.generate(*call.args, **call.kwargs)
+
+    def finish_generated(
+        self, step_name: str, batch: Any, step_args: tuple[Any, ...], output: Any, recorder: LogRecorder
+    ) -> Any:
+        """The step run whole on the last stage, its ``self.generate(...)`` returning ``output``."""
+        with generate_returns(self.module, output) as calls, recorder.recording(self.module):
+            step_output = getattr(self.module, step_name)(batch, *step_args)
+        check_generate_called(calls(), step_name)
+        return step_output
 
     def running(self) -> Any:
         return metrics_refuse_sync(self.metrics)

@@ -18,8 +18,8 @@ tells them apart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -97,6 +97,11 @@ class Executor(Protocol):
         """The ranks that run one data-parallel replica's step (a batch's outputs are on its last stage's rank)."""
         ...
 
+    def generation_weights(self, stage_modules: Sequence[nn.Module]) -> AbstractContextManager[None]:
+        """Inside the block every local stage's weights are whole and stay so: gathered once for a whole
+        ``generate`` call (a collective over the ranks that share them), released at its end."""
+        ...
+
 
 class StageExecutor:
     """A rank's stages on torch's pipeline runtime; ``reductions``: each stage's gradient reduction overlapped
@@ -159,3 +164,16 @@ class StageExecutor:
     @property
     def output_group(self) -> Any:
         return self.gradient_group
+
+    @contextmanager
+    def generation_weights(self, stage_modules: Sequence[nn.Module]) -> Iterator[None]:
+        """FSDP2's ``unshard()`` of every local stage (one all-gather each, over the data-parallel group: every
+        replica calls it together), ``reshard()`` after; stages without data parallelism are whole already."""
+        units = [stage for stage in stage_modules if callable(getattr(stage, "unshard", None))]
+        for unit in units:
+            unit.unshard()  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()  # type: ignore[operator]

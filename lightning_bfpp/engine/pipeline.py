@@ -32,6 +32,7 @@ from lightning_bfpp.engine.agreement import (
     rank_name,
 )
 from lightning_bfpp.engine.executors import Executor, StepRunner
+from lightning_bfpp.engine.generation.steps import generation_call, generation_step
 from lightning_bfpp.engine.loss import BatchGradients, item_sum
 from lightning_bfpp.engine.microbatch import (
     batch_digest,
@@ -57,7 +58,9 @@ class StepCode(Protocol):
     LightningStep`). ``capture`` runs it on the first stage up to the model call and returns that call's
     ``(args, kwargs)``, the pipeline's input; ``finish`` runs it on the last stage with the model call returning
     ``output`` (one micro-batch's pipeline output), its logged values going to ``recorder``; ``loss`` reads the
-    loss from what it returned; ``running`` is entered while any of it runs."""
+    loss from what it returned; ``running`` is entered while any of it runs. A step code that ``can_generate``
+    also has ``capture_generation``, ``generate`` and ``finish_generated``: an evaluation step that calls the
+    module's ``generate`` instead of the model (see :mod:`lightning_bfpp.engine.generation.steps`)."""
 
     def capture(self, step_name: str, microbatch: Any, step_args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict]: ...
 
@@ -254,6 +257,10 @@ class Pipeline:
         has no collective before it. Shapes may differ between replicas and between steps (batches padded to
         their own longest sequence): each pipeline builds a schedule per shape, without the other replicas.
         """
+        if not train and getattr(self.step_code, "can_generate", False):
+            call = generation_call(self, step_name, batch, step_args, step_key)
+            if call is not None:  # the step calls `self.generate(...)`: see lightning_bfpp.engine.generation.steps
+                return generation_step(self, step_name, batch, step_args, call, step_key)
         self._prefetch_first_stage()
         prepared = self._prepare(step_name, batch, step_args, step_key, last_batch)
         key = (train, prepared.num_microbatches, prepared.signature, reduce_grads or not train)

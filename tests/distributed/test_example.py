@@ -46,6 +46,7 @@ def test_finetune_minilm_example_runs(tmp_path, script_env):
 CAUSAL_LM_TINY = [
     "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--model.layers", "2",
     "--model.hidden_size", "32", "--data.seq_len", "32", "--data.batch_size", "4", "--sample_tokens", "8",
+    "--model.completion_tokens", "8",
 ]  # fmt: skip
 
 
@@ -63,6 +64,8 @@ def test_finetune_causal_lm_example_runs(tmp_path, script_env):
     )  # fmt: skip
     assert "llama: strategy=BFPPStrategy, 4 process(es), 3 steps" in out and "LoRA rank 8" in out
     assert "held-out perplexity per byte after" in out and "sample (top-4)" in out
+    # generated through the pipeline after each validation (before fit, after the run and after fit)
+    assert out.count('completion at step 3: \'The "for" statement') >= 1, out
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "pretrained" / "config.json").is_file()
 

@@ -11,8 +11,9 @@ Mixtral and Qwen3-MoE (experts and routers, no load-balancing loss). Each is a t
 (p, dp, v, m) = (2, 2, 2, 4) on 4 CPU processes on padded batches (left and right padding), and with
 ``strategy="auto"`` on one process on the same global batches: every step's loss on every rank and every final
 weight agree within 1e-5 relative in fp32. The run's checkpoint folder is exported with ``export_pretrained``
-and loaded with ``from_pretrained``: it holds the one-device run's weights (tied embeddings still tied). All
-runs share one launch.
+and loaded with ``from_pretrained``: it holds the one-device run's weights (tied embeddings still tied), and after
+training every rank's ``generate`` (through the pipeline, greedy, two end tokens, left-padded prompts of 1 to 13
+tokens) gives the exported model's ``transformers`` ``generate`` tokens. All runs share one launch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_bfpp.integrations.huggingface import CAUSAL_LM_FAMILIES, export_pretrained
 from tests.distributed.harness import launch, run_2x2
+from tests.generation_models import assert_generates_as_exported
 from tests.hf_models import assert_trained_as_reference, hf_module, hf_reference_run, tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -48,7 +50,7 @@ def family_run(family: str):
         model={"family": family, "layers": 3, "tie": family in TIED, "pretrained": str(FOLDERS / family)},
         model_factory="tests.hf_models:hf_module",
         loader_factory="tests.hf_models:hf_loader",
-        checks=["save_at_end"],
+        checks=["save_at_end", "generate_at_end"],
     )
 
 
@@ -91,3 +93,10 @@ def test_family_trains_as_on_one_device_and_exports_its_weights(run, launched, t
         want = ref.params[ours].double()
         error = (state[hf_name].double() - want).norm().item()
         assert error <= TOL * want.norm().item() + ATOL, f"{hf_name}: {error:.2e}"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.model["family"])
+def test_family_generates_transformers_tokens_through_the_pipeline(run, launched, tmp_path):
+    workdir, _ = launched
+    folder = workdir / "out" / run.name
+    assert_generates_as_exported(folder, export_pretrained(folder / "end.ckpt", tmp_path / "exported"))

@@ -52,7 +52,10 @@ def hf_run(name: str, family: str, **kwargs):
 
 
 # each run also saves a checkpoint at its end, which `export_pretrained` turns into a `from_pretrained` folder
-EQUIVALENCE = [hf_run(f"hf_{family}", family, checks=["save_at_end"]) for family in FAMILIES]
+EQUIVALENCE = [
+    hf_run(f"hf_{family}", family, checks=["save_at_end", *(["generate_at_end"] if family != "bert" else [])])
+    for family in FAMILIES
+]
 # packed documents: no mask crosses the stages, and the sliding-window layers see the document boundaries too
 PACKED = hf_run("hf_qwen2_packed", "qwen2", data={"packed": True})
 # created under `trainer.init_module(empty_init=True)`: each rank materializes its own layers (rotary tables
@@ -161,3 +164,14 @@ def test_tied_embeddings_stay_equal(run, results):
     params = results[run.name].params
     embedding, head = params["embed.embed_tokens.weight"], params["head.lm_head.weight"]
     assert torch.equal(embedding, head)
+
+
+@pytest.mark.parametrize("run", [r for r in EQUIVALENCE if r.model["family"] != "bert"], ids=lambda r: r.name)
+def test_generates_transformers_tokens_through_the_pipeline(run, launched, tmp_path):
+    """After training, every rank's ``generate`` gives the exported model's ``transformers`` tokens (the other
+    families: ``test_hf_families``)."""
+    from tests.generation_models import assert_generates_as_exported
+
+    workdir, _ = launched
+    folder = workdir / "out" / run.name
+    assert_generates_as_exported(folder, export_pretrained(folder / "end.ckpt", tmp_path / "exported"))

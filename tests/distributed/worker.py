@@ -664,7 +664,9 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         loader = load_factory(run.loader_factory)(run, trainer)
     else:
         loader = DataLoader(make_dataset(run), batch_size=run.local_batch_size)
-    val = eval_loader(run, run.local_batch_size, seed=2) if "validate" in run.checks else None
+    val = None
+    if "validate" in run.checks:  # a model of its own validates on its own data
+        val = loader if run.loader_factory is not None else eval_loader(run, run.local_batch_size, seed=2)
     ckpt_path = str(out.parent / run.resume_from) if run.resume_from else None
     # "warnings": what the run warned about, recorded instead of printed (other runs print them)
     recording = warnings.catch_warnings(record=True) if "warnings" in run.checks else contextlib.nullcontext([])
@@ -676,6 +678,10 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
             trainer.save_checkpoint(out / "end.ckpt")
         if "consolidate_at_end" in run.checks:
             consolidate_at_end(trainer, out / "end.ckpt")
+        if "generate_at_end" in run.checks:  # every rank (a collective): greedy continuations of fixed prompts
+            from tests.generation_models import generate_at_end
+
+            torch.save(generate_at_end(model), out / f"generated_at_end_rank{trainer.global_rank}.pt")
         rank = trainer.global_rank
         extras = after_fit(trainer, model, run, run.local_batch_size, loader)
     if "warnings" in run.checks:
@@ -694,6 +700,8 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         }
     if "predict" in extras:
         torch.save(extras.pop("predict"), out / f"predictions_rank{rank}.pt")
+    if hasattr(model, "bfpp_generated"):  # tests.generation_models: what the module generated, in steps and hooks
+        torch.save(model.bfpp_generated, out / f"generated_rank{rank}.pt")
     result = {
         "steps": recorder.steps,
         "validations": recorder.validations,

@@ -46,3 +46,10 @@ def model_tp_plan(model: Any) -> dict[str, str]:
         base = getattr(model.config, "base_model_tp_plan", None) or {}
         plan = {**dict(getattr(type(model), "_tp_plan", None) or {}), **{f"{prefix}.{k}": v for k, v in base.items()}}
     return {("model." + k[len(prefix) + 1 :] if k.startswith(prefix + ".") else k): v for k, v in plan.items()}
+
+
+def generation_defaults(generation_config: Any) -> dict[str, Any]:
+    """The values ``transformers``' ``generate`` gives the fields neither the call nor the model's generation config
+    set (``top_k=50``, ``max_length=20``, …): its private ``GenerationConfig._get_default_generation_params``,
+    which ``generate`` merges under the model's config (``GenerationMixin._prepare_generation_config``)."""
+    return generation_config._get_default_generation_params()

@@ -9,11 +9,12 @@ Which of a model's modules go into which layer is :mod:`.parts`'s.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
-from transformers.masking_utils import create_bidirectional_mask
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 from lightning_bfpp.integrations.huggingface.masks import (
     _MASKS,
@@ -24,6 +25,22 @@ from lightning_bfpp.integrations.huggingface.masks import (
 )
 
 POOLINGS = ("mean", "cls", "pooler", "none")
+
+
+def _cache_keyword(layer: nn.Module) -> str:
+    """The keyword a decoder layer takes its KV cache by: ``cache`` (``transformers`` ≥ 5.24), GPT-NeoX's
+    ``layer_past``, or the older ``past_key_values``."""
+    parameters = inspect.signature(layer.forward).parameters
+    return next((name for name in ("cache", "layer_past", "past_key_values") if name in parameters), "cache")
+
+
+def _kv_cache(cache: dict[str, Any], config: PreTrainedConfig) -> DynamicCache:
+    """This block's KV cache for the group: ``transformers``' ``DynamicCache`` for the model's config (a sliding-window
+    layer keeps its window only), made on first use."""
+    kv = cache.get("kv")
+    if kv is None:
+        kv = cache["kv"] = DynamicCache(config=config)
+    return kv
 
 
 class CausalEmbedding(nn.Module):
@@ -74,6 +91,21 @@ class CausalEmbedding(nn.Module):
             hidden = self.dropout(hidden)
         return hidden, _mask_to_send(attention_mask, input_ids), position_ids
 
+    def decode(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generation (:class:`~lightning_bfpp.engine.generation.DecodingLayer`): the new tokens' embeddings, with
+        the attention mask over the whole sequence so far and the new tokens' positions, for the blocks."""
+        input_ids, attention_mask, position_ids = inputs
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(position_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
+        if self.dropout is not None:
+            hidden = self.dropout(hidden)
+        return hidden, attention_mask, position_ids
+
 
 class GPT2DecoderBlock(nn.Module):
     """One ``GPT2Block``, with the causal mask built from the 2-D attention mask as ``GPT2Model`` builds it."""
@@ -82,6 +114,7 @@ class GPT2DecoderBlock(nn.Module):
         super().__init__()
         self.block = block
         self.config = config
+        self.layer_idx = block.attn.layer_idx
 
     def forward(
         self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -89,6 +122,23 @@ class GPT2DecoderBlock(nn.Module):
         hidden, attention_mask, position_ids = inputs
         mask = _causal_mask(self.config, hidden, attention_mask, position_ids, sliding=False)
         hidden = self.block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
+        return hidden, attention_mask, position_ids
+
+    def decode(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generation: the block with the group's KV cache (see :meth:`DecoderBlock.decode`)."""
+        hidden, attention_mask, position_ids = inputs
+        kv = _kv_cache(cache, self.config)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=kv,
+            position_ids=position_ids,
+            layer_idx=self.layer_idx,
+        )
+        hidden = self.block(hidden, cache=kv, attention_mask=mask, use_cache=True, position_ids=position_ids)
         return hidden, attention_mask, position_ids
 
 
@@ -108,33 +158,59 @@ class DecoderBlock(nn.Module):
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
+        self.layer_idx = layer_idx
         self.layer_type = _layer_type(config, layer_idx)
+        self.cache_keyword = _cache_keyword(layer)
         self.rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(
         self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, attention_mask, position_ids = inputs
+        return (
+            self._run(hidden, _mask_received(attention_mask, hidden), position_ids, None),
+            attention_mask,
+            position_ids,
+        )
+
+    def decode(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generation (:class:`~lightning_bfpp.engine.generation.DecodingLayer`): the layer on the new tokens with
+        the keys and values of the tokens before, as the model's forward in ``generate`` runs it. Each block keeps a
+        ``DynamicCache`` per group (``transformers``' own, in which it writes its own layer's entry), and its mask
+        is built for that layer (``layer_idx``): the first layer of its kind, whose entry ``transformers`` reads
+        the sizes from, may be on another stage."""
+        hidden, attention_mask, position_ids = inputs
+        kv = _kv_cache(cache, self.config)
+        return self._run(hidden, attention_mask, position_ids, kv), attention_mask, position_ids
+
+    def _run(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, kv: Any
+    ) -> torch.Tensor:
+        """The layer as the model's forward calls it: without a cache (training), or with this block's (``kv``)."""
         mask = _MASKS[self.layer_type](
             config=self.config,
             inputs_embeds=hidden,
-            attention_mask=_mask_received(attention_mask, hidden),
-            cache=None,
+            attention_mask=attention_mask,
+            cache=kv,
             position_ids=position_ids,
+            **({} if kv is None else {"layer_idx": self.layer_idx}),
         )
         if self.rotary_by_type:
             position_embeddings = self.rotary_emb(hidden, position_ids, self.layer_type)
         else:
             position_embeddings = self.rotary_emb(hidden, position_ids)
+        cached = {} if kv is None else {self.cache_keyword: kv}
         out = self.layer(
             hidden,
             attention_mask=mask,
             position_embeddings=position_embeddings,
             position_ids=position_ids,
-            use_cache=False,
+            use_cache=kv is not None,
+            **cached,
         )
-        hidden = out[0] if isinstance(out, tuple) else out
-        return hidden, attention_mask, position_ids
+        return out[0] if isinstance(out, tuple) else out
 
 
 class CausalLMHead(nn.Module):
@@ -167,6 +243,10 @@ class CausalLMHead(nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def decode(self, inputs: tuple[torch.Tensor, ...], cache: dict[str, Any]) -> torch.Tensor:
+        """Generation: the logits of the last position only (the one the next token is chosen from)."""
+        return self.forward((inputs[0][:, -1:],))
 
 
 class EncoderEmbedding(nn.Module):

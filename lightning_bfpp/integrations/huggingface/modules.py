@@ -7,16 +7,18 @@ class, its layers and head, its stand-ins for missing inputs and its loss.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from lightning_bfpp.engine.loss import mean_over_items
 from lightning_bfpp.integrations.huggingface import _compat
@@ -28,6 +30,15 @@ from lightning_bfpp.integrations.huggingface.parts import causal_lm_layers, enco
 from lightning_bfpp.integrations.huggingface.pretrained import _HFWeights
 from lightning_bfpp.integrations.huggingface.resets import _install_lora_resets, _install_resets
 from lightning_bfpp.integrations.huggingface.tensor_parallel import tensor_parallel_plan
+
+
+def _generation_config(model: PreTrainedModel, folder: Any) -> GenerationConfig:
+    """The model's generation config, as ``from_pretrained`` gives it: the folder's ``generation_config.json`` where
+    it has one, else the model's own (from its config)."""
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder)
+    config = getattr(model, "generation_config", None)  # an encoder has none
+    return copy.deepcopy(config) if config is not None else GenerationConfig()
 
 
 def _save_hyperparameters(module: L.LightningModule, hparams: dict[str, Any]) -> None:
@@ -138,6 +149,7 @@ class _HFPipelineModule(_HFWeights):
         if self.lora_config is not None:
             _install_lora_resets(layers, self.lora_config.init_lora_weights)
         self.hf_config = model.config
+        self.generation_config = _generation_config(model, self._pretrained_folder)
         self._tensor_plan = _compat.model_tp_plan(model)
         self.embed = layers[0]
         self.blocks = nn.ModuleList(layers[1:-1])
@@ -281,6 +293,45 @@ class HFCausalLM(_HFPipelineModule):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._run_layers(input_ids, attention_mask, position_ids, token_type_ids)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        num_groups: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """``transformers``' ``generate`` for greedy and sampling decoding, through the pipeline under
+        ``BFPPStrategy``: the prompt and its new tokens, padded after each row's end-of-sequence token.
+
+        ``options``: the ``GenerationConfig`` fields of greedy and sampling decoding (``min_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id`` (one or
+        several), ``pad_token_id``; ``return_dict_in_generate`` with ``output_logits``), over the model's own
+        ``generation_config``, applied through ``transformers``' logits processors. Other modes (beam search,
+        assisted decoding, …) are refused by name. ``num_groups``: the groups of sequences in flight through the
+        pipeline (default: its ranks). Sampling draws from a copy of this process's generator (after
+        ``torch.manual_seed(s)``, ``transformers``' tokens on one process), leaving the process's own stream as
+        it was; in a step, from the step's own seed.
+
+        Under ``BFPPStrategy`` every rank of the pipeline takes part (in ``validation_step``, ``test_step``,
+        ``predict_step`` and the ``on_*_epoch_end`` hooks), each data-parallel replica with its own prompts, and the
+        result is on every rank where the code after the call runs. Elsewhere (another strategy, no Trainer) the
+        same decoding runs on this process. See docs/generation.md.
+        """
+        from lightning_bfpp.integrations.huggingface.generation import generate
+
+        return generate(
+            self, input_ids, attention_mask, max_new_tokens=max_new_tokens, num_groups=num_groups, **options
+        )
+
+    def _generation_pipeline(self) -> Any:
+        """The pipeline this module's layers run in (BFPPStrategy's, once set up), None on one process."""
+        from lightning_bfpp.adapter import _lightning_compat
+
+        strategy = getattr(_lightning_compat.attached_trainer(self), "strategy", None)
+        return getattr(strategy, "pipeline", None)
 
     def _stand_in(self, name: str, input_ids: torch.Tensor) -> torch.Tensor:
         if name == "attention_mask":

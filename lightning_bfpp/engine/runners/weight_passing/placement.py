@@ -3,7 +3,8 @@ executor the pipeline runs them with (see :mod:`lightning_bfpp.engine.runners.we
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,6 +83,21 @@ class WeightPassingExecutor:
     @property
     def output_group(self) -> Any:
         return None  # every rank runs its own micro-batches through the whole model
+
+    @contextmanager
+    def generation_weights(self, stage_modules: Sequence[nn.Module]) -> Iterator[None]:
+        """Every chunk fetched once (in chunk order, every rank taking part, as in a step), kept for the whole call
+        (each rank then decodes its own sequences through the whole model), released at its end."""
+        chunks = range(len(self.transfers.chunks))
+        for chunk in chunks:
+            self.transfers.fetch(chunk)
+        for chunk in chunks:
+            self.transfers.ready(chunk)
+        try:
+            yield
+        finally:
+            for chunk in chunks:
+                self.transfers.release(chunk)
 
 
 BATCH_STATISTICS_NOTE = (
