@@ -389,6 +389,37 @@ class CheckpointFolderAtStart(L.Callback):
             self.file.write_text(json.dumps(self.record))
 
 
+class SlowWrites(L.Callback):
+    """``slow_writes:<seconds>``: every rank's DCP file write takes ``seconds`` longer (slow storage), and global
+    rank 0 records in ``saves_seen.json``, at the start of each step (before the strategy's step boundary), the
+    names in ``ckpts/each_step`` (the ``topk_every_step`` callback's folder)."""
+
+    def __init__(self, seconds: float, out: Path) -> None:
+        self.seconds, self.seen = seconds, []
+        self.folder, self.file = out / "ckpts" / "each_step", out / "saves_seen.json"
+        self.write_data = FileSystemWriter.write_data
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        write_data, seconds = self.write_data, self.seconds
+
+        def slow(writer: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return write_data(writer, *args, **kwargs)
+
+        FileSystemWriter.write_data = slow  # type: ignore[method-assign]
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank != 0:
+            return
+        names = sorted(p.name for p in self.folder.iterdir()) if self.folder.is_dir() else []
+        self.seen.append({"step": trainer.global_step, "names": names})
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        FileSystemWriter.write_data = self.write_data  # type: ignore[method-assign]
+        if trainer.global_rank == 0:
+            self.file.write_text(json.dumps(self.seen))
+
+
 class IndexedPredictionWriter(BasePredictionWriter):
     """Writes each batch's predictions with the dataset indices Lightning recorded for them."""
 
@@ -424,6 +455,11 @@ def make_callbacks(run: RunSpec, out: Path) -> tuple[list[L.Callback], dict[str,
         callbacks.append(CheckpointFolderAtStart((out.parent / str(run.resume_from)).parent, out))
     if "last_checkpoint_every_step" in checks:
         callbacks.append(ModelCheckpoint(dirpath=ckpts, every_n_train_steps=1, save_top_k=0, save_last=True))
+    if "topk_every_step" in checks:  # keeps the newest only: each save removes the one before
+        callbacks.append(ModelCheckpoint(dirpath=ckpts / "each_step", filename="{step}", every_n_train_steps=1))
+    for check in run.checks:
+        if check.startswith("slow_writes:"):
+            callbacks.append(SlowWrites(float(check.split(":")[1]), out))
     if "stop_on_non_finite_loss" in checks:
         callbacks.append(EarlyStopping(monitor="train_loss", check_finite=True, patience=1000))
     if "early_stopping" in checks:

@@ -9,7 +9,9 @@ names) so that the engine modules import without Lightning.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,18 +68,31 @@ def should_accumulate(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
-def share_sigterm_through(trainer: Trainer, agreed: Callable[[], bool]) -> Callable[[], bool]:
-    """Take SIGTERM out of Lightning's per-rank hands and into the step's one collective; call once training has
-    started. Returns whether this process has received SIGTERM, for that collective to carry.
+STOP, REQUEUE = 1, 2  # what a process asks of the others through the step's collective (bits)
+
+
+def share_sigterm_through(
+    trainer: Trainer, stop_agreed: Callable[[], bool], requeue_agreed: Callable[[], bool]
+) -> Callable[[], int]:
+    """Take SIGTERM, and SLURM's requeue signal, out of Lightning's per-rank hands and into the step's one
+    collective; call once training has started. Returns what this process asks for (:data:`STOP` once it has
+    received SIGTERM, :data:`REQUEUE` once it has received the requeue signal), for that collective to carry.
 
     Lightning (2.6) broadcasts a SIGTERM flag from rank 0 before every training batch on any multi-process
     strategy (one blocking collective per step); its signal handler broadcasts too, from whichever rank the
     signal reached, at whatever point it was interrupted; and the rank that received it raises right after its
     current batch, leaving the others waiting for it in the pipeline. Here the handler only notes the signal
     (and still stops the launcher's child processes, as Lightning's does). The per-batch check reads
-    ``agreed()``: whether any rank had noted it by the previous step's collective, which every rank reads
+    ``stop_agreed()``: whether any rank had noted it by the previous step's collective, which every rank reads
     alike. Then every rank marks the trainer as having received SIGTERM and raises Lightning's
     ``SIGTERMException`` at the same batch, as Lightning intends.
+
+    Under ``SLURMEnvironment(auto_requeue=True)`` Lightning's handler of the requeue signal (``--signal=USR1@90``)
+    saves a checkpoint inside the handler, on each rank wherever the signal interrupted it: a collective save
+    that the other ranks, elsewhere in the step, never join. Here that handler only notes the signal too, and
+    runs, Lightning's own, on every rank at the same batch boundary once ``requeue_agreed()``: the checkpoint
+    (``hpc_ckpt_<n>.ckpt``) saved by every rank together, then ``scontrol requeue`` from global rank 0. There
+    SIGTERM (Slurm ending a requeued or preempted job) also saves one, at the boundary where the ranks stop.
     """
     import signal
     import threading
@@ -86,24 +101,40 @@ def share_sigterm_through(trainer: Trainer, agreed: Callable[[], bool]) -> Calla
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     connector = trainer._signal_connector  # type: ignore[attr-defined]
-    noted = [False]
+    noted = {STOP: False, REQUEUE: False}
+    requeued = [False]
+    environment = trainer._accelerator_connector.cluster_environment  # type: ignore[attr-defined]
+    requeue_signal = getattr(environment, "requeue_signal", None)
 
     def check() -> None:
-        if agreed():
+        if requeue_agreed() and not requeued[0]:
+            requeued[0] = True
+            connector._slurm_sigusr_handler_fn(requeue_signal, None)
+        if stop_agreed():
+            if requeue_signal is not None and environment.auto_requeue:  # ended or preempted: keep what was done
+                trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
             connector.received_sigterm = True
             raise SIGTERMException()
 
-    def note(signum: int, _frame: Any) -> None:
+    def note_stop(signum: int, _frame: Any) -> None:
         launcher = trainer.strategy.launcher
-        if not noted[0] and launcher is not None:
+        if not noted[STOP] and launcher is not None:
             launcher.kill(signum)
-        noted[0] = True
+        noted[STOP] = True
+
+    def note_requeue(signum: int, _frame: Any) -> None:
+        noted[REQUEUE] = True
 
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
-    handler = signal.getsignal(signal.SIGTERM)
-    if isinstance(handler, _HandlersCompose) and threading.current_thread() is threading.main_thread():
-        handler.signal_handlers = [note if h == connector._sigterm_notifier_fn else h for h in handler.signal_handlers]
-    return lambda: noted[0] or bool(connector.received_sigterm)
+    if threading.current_thread() is threading.main_thread():
+        for signum, ours, theirs in (
+            (signal.SIGTERM, note_stop, connector._sigterm_notifier_fn),
+            (requeue_signal, note_requeue, connector._slurm_sigusr_handler_fn),
+        ):
+            handler = signal.getsignal(signum) if signum is not None else None
+            if isinstance(handler, _HandlersCompose):
+                handler.signal_handlers = [ours if h == theirs else h for h in handler.signal_handlers]
+    return lambda: (STOP if noted[STOP] or connector.received_sigterm else 0) | (REQUEUE if noted[REQUEUE] else 0)
 
 
 def request_train_dataloader(trainer: object) -> object:
@@ -129,8 +160,15 @@ def attached_trainer(module: LightningModule) -> Trainer | None:
 # -- the strategy's inherited state ------------------------------------------------------------------
 
 
-def setup_distributed(strategy: Strategy) -> None:
-    """Lightning's process-group setup of a ``ParallelStrategy`` (seeds, environment, ``init_process_group``)."""
+def setup_distributed(strategy: Strategy, first: Callable[..., Any] | None = None) -> None:
+    """Lightning's process-group setup of a ``ParallelStrategy`` (seeds, environment, ``init_process_group``).
+
+    ``first(backend, timeout, rank, world_size, device)``, where given, may initialize the default process group
+    before, with what Lightning would pass: Lightning's own initialization then finds it done (under torchrun, the
+    strategy's group on a store of its attempt: :mod:`lightning_bfpp.engine.restarts`)."""
+    if first is not None:
+        backend, timeout = strategy._get_process_group_backend(), strategy._timeout  # type: ignore[attr-defined]
+        first(backend, timeout, strategy.global_rank, strategy.world_size, strategy.root_device)
     strategy._setup_distributed()  # type: ignore[attr-defined]
 
 
@@ -317,3 +355,48 @@ def average_model(callback: Any) -> Any:
 
 def set_average_model(callback: Any, model: Any) -> None:
     callback._average_model = model
+
+
+def find_last_checkpoints_with(choose: Callable[[set[str], Path, Callable[[str], bool]], set[str]]) -> None:
+    """Make ``ModelCheckpoint``'s search for its last checkpoints (what ``ckpt_path="last"`` resolves among, by
+    modification time) pass its findings, with the newest checkpoint saved at SLURM's requeue signal
+    (``hpc_ckpt_<n>.ckpt``, which Lightning reads only for ``ckpt_path=None``), through
+    ``choose(found, folder, is_last_name)`` when the trainer's strategy is a BFPPStrategy (one with
+    ``resolves_last_checkpoints``). Installed once, on the class: Lightning resolves "last" before
+    the strategy sees the trainer, and its private ``_find_last_checkpoints`` is the one place it looks."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    original = ModelCheckpoint._find_last_checkpoints
+    if getattr(original, "bfpp_wrapped", False):
+        return
+
+    def find(self: ModelCheckpoint, trainer: Trainer) -> set[str]:
+        found = original(self, trainer)
+        if not getattr(trainer.strategy, "resolves_last_checkpoints", False):
+            return found
+        hpc = trainer._checkpoint_connector._hpc_resume_path  # type: ignore[attr-defined]
+        if hpc is not None:  # saved at SLURM's requeue signal: newer than any other when a requeued job starts
+            found = {*found, hpc}
+        folder = Path(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
+        pattern = rf"^{self.CHECKPOINT_NAME_LAST}(-(\d+))?"
+
+        def is_last(name: str) -> bool:
+            path = Path(name)
+            return path.suffix == self.FILE_EXTENSION and bool(re.match(pattern, path.stem))
+
+        return choose(found, folder, is_last)
+
+    find.bfpp_wrapped = True  # type: ignore[attr-defined]
+    ModelCheckpoint._find_last_checkpoints = find  # type: ignore[method-assign]
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """Lightning's ``set_epoch`` on a loader's sampler (and its batch sampler's), as its fit loop calls it."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(dataloader, epoch)
+
+
+def wrapped_sampler(wrapper: object) -> object:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (it keeps it in its index dataset)."""
+    return wrapper.dataset._sampler  # type: ignore[attr-defined]

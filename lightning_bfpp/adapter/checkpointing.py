@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_bfpp.adapter._lightning_compat import attached_trainer, set_sampler_epoch
+from lightning_bfpp.adapter.resumable_sampler import make_resumable
 from lightning_bfpp.engine import checkpoint as files
 from lightning_bfpp.engine.checkpoint import CURRENT_MODEL_STATE
 
@@ -49,9 +51,12 @@ def fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def save(checkpoint: dict[str, Any], path: Path, place: CheckpointPlace) -> None:
+def save(
+    checkpoint: dict[str, Any], path: Path, place: CheckpointPlace, write: Callable[..., None] = files.save
+) -> None:
     """Write Lightning's ``checkpoint`` dict of this rank: its tensors sharded into the folder, the rest into
-    ``meta.pt`` with every replica's loader states."""
+    ``meta.pt`` with every replica's loader states. ``write``: the engine's blocking save, or an asynchronous
+    saver's (``engine.checkpoint.async_saving``)."""
     # with a weight-averaging callback, `state_dict` holds the averaged weights (what a consolidated checkpoint or
     # an export gives) and `current_model_state` the trained ones: both this rank's shards
     state = {files.MODEL_KEY: _canonical_only(checkpoint.pop("state_dict"), place.aliases)}
@@ -71,7 +76,7 @@ def save(checkpoint: dict[str, Any], path: Path, place: CheckpointPlace) -> None
         checkpoint[files.LOADER_STATES_KEY] = loader_states
     if place.aliases:  # stored once, under the canonical name: what `consolidate` adds back
         checkpoint[files.TIED_KEY] = dict(place.aliases)
-    files.save(path, state, checkpoint, is_global_zero=place.is_global_zero)
+    write(path, state, checkpoint, is_global_zero=place.is_global_zero)
 
 
 def _canonical_only(state_dict: dict[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
@@ -131,3 +136,19 @@ def load(
         else:
             fit_state["combined_loader"] = states
     return loaded
+
+
+def resumable_loader(module: Any, dataloader: object) -> object:
+    """``dataloader`` with its sampler set to the fit loop's epoch (the restored one after a resume), and a sampler
+    Lightning wrapped made to resume in its epoch (see ``resumable_sampler``).
+
+    Lightning creates a training loader's iterator, restoring a ``StatefulDataLoader``'s place in the epoch, before
+    it sets the sampler's epoch for that epoch; a ``DistributedSampler`` (every data-parallel run has one) then
+    still stands at epoch 0, and a resume in a later epoch read the rest of epoch 0's permutation instead of its
+    own (under any multi-process strategy). Set here, when Lightning hands the loader to the strategy, the epoch is
+    already the restored one; without a resume it is the one Lightning sets next anyway."""
+    make_resumable(dataloader)
+    trainer = attached_trainer(module) if module is not None else None
+    if trainer is not None:
+        set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
+    return dataloader

@@ -30,7 +30,15 @@ SUPPORTED_PRECISION = {
 }
 
 
-def check_arguments(overlap_reductions: Any, trace_steps: Any, failure_timeout: Any, memory_budget: Any = None) -> None:
+def check_arguments(
+    overlap_reductions: Any,
+    trace_steps: Any,
+    failure_timeout: Any,
+    memory_budget: Any = None,
+    async_checkpoint: Any = False,
+) -> None:
+    if not isinstance(async_checkpoint, bool):
+        raise ValueError(f"BFPPStrategy: `async_checkpoint` must be True or False, got {async_checkpoint!r}.")
     if not isinstance(overlap_reductions, bool) and overlap_reductions not in ("auto", "stream", "thread"):
         raise ValueError(
             "BFPPStrategy: `overlap_reductions` must be a bool, 'auto', 'stream' or 'thread', got"

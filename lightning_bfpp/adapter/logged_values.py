@@ -185,12 +185,11 @@ class LoggedValueSync:
         self._capacity = _INITIAL_CAPACITY
         self._specs: list[LogSpec] = []
         self._digest = -1.0
-        # some rank asked to stop (received SIGTERM) by the last step: every rank knows it alike
-        self.stop_agreed = False
+        # some rank asked to stop (received SIGTERM), or to save and requeue (SLURM's requeue signal), by the last
+        # step: every rank knows it alike
+        self.stop_agreed = self.requeue_agreed = False
 
-    def share_step(
-        self, result: Any, module: LightningModule, pipeline: Any, *, stop_requested: bool = False
-    ) -> SharedStep:
+    def share_step(self, result: Any, module: LightningModule, pipeline: Any, *, stop_requested: int = 0) -> SharedStep:
         """Share a pipelined step's outcome (a :class:`~lightning_bfpp.engine.pipeline.StepResult`) and replay its
         logs on every rank; the returned loss is averaged like the logged values (for a ``mean_over_items``
         step, with the global item count).
@@ -238,7 +237,7 @@ class LoggedValueSync:
         step_name: str,
         batch_digest: int = 0,
         batch_description: str = "",
-        stop_requested: bool = False,
+        stop_requested: int = 0,
         *,
         loss_items: torch.Tensor | None = None,
         content_digest: torch.Tensor | None = None,
@@ -267,7 +266,8 @@ class LoggedValueSync:
             packed = torch.cat([values.double().cpu(), *loss_slots])
             digest = float(zlib.crc32(repr(specs).encode()))
         rows = self._gather(failure.code, batch_digest, packed, digest, stop_requested, content_digest)
-        self.stop_agreed = bool(rows[:, 5].any())
+        requests = rows[:, 5].long()  # bits: 1 stop, 2 requeue (adapter._lightning_compat.STOP, REQUEUE)
+        self.stop_agreed, self.requeue_agreed = bool((requests & 1).any()), bool((requests & 2).any())
         code = int(rows[:, 0].max())
         if code:
             if self._world == 1:
@@ -309,7 +309,7 @@ class LoggedValueSync:
         batch_digest: int,
         packed: torch.Tensor | None,
         digest: float,
-        stop: bool,
+        stop: int,
         content_digest: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All ranks' rows, ``[world, header + capacity]`` in float64 (exact for the integer fields)."""

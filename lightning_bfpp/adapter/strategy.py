@@ -41,6 +41,7 @@ from lightning_bfpp.adapter import auto, checkpointing, guards, predictions, wei
 from lightning_bfpp.adapter.checkpointing import CheckpointPlace, parameter_names
 from lightning_bfpp.adapter.collectives import PipelineCollectives
 from lightning_bfpp.adapter.logged_values import LoggedValueSync, SharedStep
+from lightning_bfpp.adapter.strategy_checkpoints import CheckpointMethods
 from lightning_bfpp.adapter.summary import WholeModelSummary
 from lightning_bfpp.adapter.user_step import LightningStep
 from lightning_bfpp.engine import _compat, clipping, reductions
@@ -53,6 +54,7 @@ from lightning_bfpp.engine.frozen import NothingToTrain, set_up_unless_all_froze
 from lightning_bfpp.engine.layers import compile_options, layer_weights, pipeline_layers, recompute_policy
 from lightning_bfpp.engine.pipeline import Pipeline, StepResult
 from lightning_bfpp.engine.random_state import shared_base_seed
+from lightning_bfpp.engine.restarts import init_process_group_for_attempt
 from lightning_bfpp.engine.sharding import (
     DATA_PARALLEL,
     PIPELINE_PARALLEL,
@@ -73,8 +75,10 @@ from lightning_bfpp.plan.search import Candidate
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_bfpp.engine.checkpoint.async_saving import AsyncSaver
 
-class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
+
+class BFPPStrategy(CheckpointMethods, PipelineCollectives, ModelParallelStrategy):
     """Breadth-first pipeline parallelism over sharded data parallelism (Lamy-Poirier, MLSys 2023).
 
     The LightningModule adds one method, ``pipeline_layers()``, returning the ordered modules whose
@@ -165,6 +169,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     # a module's `pipeline_pretrained` weights (lightning_bfpp.load_pretrained, the Hugging Face adapter's names and
     # folders) are read here, each rank its own stages', when the layers are placed; modules leave them to us
     fills_pretrained_per_stage = True
+    # `ckpt_path="last"` chooses among complete checkpoints only, and a save's leftover `.old` counts
+    resolves_last_checkpoints = True
 
     def __init__(
         self,
@@ -190,11 +196,12 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         plan_profile: ModelProfile | str | Path | None = None,
         memory_budget: int | None = None,
         failure_timeout: float | None = 30.0,
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         _compat.check_torch_version()
-        guards.check_arguments(overlap_reductions, trace_steps, failure_timeout, memory_budget)
+        guards.check_arguments(overlap_reductions, trace_steps, failure_timeout, memory_budget, async_checkpoint)
         self.config = PipelineConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             stages_per_rank=stages_per_rank,
@@ -216,6 +223,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self._compile = compile_options(compile)
         self.overlap_reductions = overlap_reductions
         self.failure_timeout = failure_timeout
+        self.async_checkpoint = async_checkpoint
+        self._async_saver: AsyncSaver | None = None  # with async_checkpoint, once the process groups exist
         self._plan_cluster, self._plan_profile, self._memory_budget = cluster, plan_profile, memory_budget
         self.trace_dir = Path(trace) if trace is not None else None
         self.trace_steps = trace_steps
@@ -225,8 +234,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self.plan: Plan | None = None
         self.pipeline: Pipeline | None = None
         self.whole_model_summary: WholeModelSummary | None = None  # taken when the layers are split
-        # pipeline_parallel_size="auto": the layout the planner chose, with its predicted step and memory
-        self.planned: Candidate | None = None
+        self.planned: Candidate | None = None  # "auto": the layout the planner chose, its predicted step and memory
         self.tied = TiedParameters([], {})  # copies of parameters tied across stages (see engine.tied)
         self._sharding_mesh: Any = None  # mesh[DATA_PARALLEL], or hybrid_shard's (replicate, shard) split of it
         self._watchdog: FailureWatchdog | None = None
@@ -235,7 +243,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         self._checkpoint_place: CheckpointPlace | None = None
         self._ties_before_configure: list[tuple[str, ...]] = []
         # whether this process received SIGTERM (shared with the others by the step's collective)
-        self._sigterm_noted: Callable[[], bool] = lambda: False
+        self._sigterm_noted: Callable[[], int] = lambda: 0
+        lc.find_last_checkpoints_with(engine_checkpoint.complete_last_checkpoints)
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -270,10 +279,11 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         planned = self.config.pipeline_parallel_size == "auto"  # the mesh waits for the planner
         if not planned:  # every rank resolves the same sizes and raises the same error before any collective
             self.mesh_shape = self.config.resolve_mesh(self.world_size, self.processes_per_node)
-        lc.setup_distributed(self)
+        lc.setup_distributed(self, first=init_process_group_for_attempt)  # torchrun: a store per attempt
         release_groups_at_exit()
         if self._watchdog is None:
             self._watchdog = start_watchdog(self.global_rank, self.world_size, self.failure_timeout)
+        self._start_async_saves()
         if not planned:
             self._build_device_mesh()
 
@@ -282,6 +292,8 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         # an agreed error (and a SIGTERM stop, agreed through the step's collective) is raised by every rank at
         # the same point: nobody is left waiting; one agreed by a pipeline alone leaves the other replicas waiting
         agreed = isinstance(exception, (AgreedError, SIGTERMException))
+        if isinstance(exception, SIGTERMException):  # a clean stop, on every rank at once: the save in flight counts
+            self._finish_saves()
         if self._watchdog is not None and (not agreed or isinstance(exception, PipelineAgreedError)):
             self._watchdog.report(f"{type(exception).__name__}: {exception}")
 
@@ -290,6 +302,10 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         mesh = build_mesh(self.root_device, self.mesh_shape)
         lc.set_device_mesh(self, self.lightning_module, mesh)
         self._sharding_mesh = data_parallel_mesh(mesh, self.mesh_shape)  # hybrid_shard: creates its groups
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return checkpointing.resumable_loader(self.lightning_module, dataloader)
 
     @property
     @override
@@ -424,13 +440,16 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
     def on_train_start(self) -> None:
         # the step's one collective carries Lightning's per-batch SIGTERM check (see LoggedValueSync)
         self._sigterm_noted = lc.share_sigterm_through(
-            self.lightning_module.trainer, lambda: self._log_sync is not None and self._log_sync.stop_agreed
+            self.lightning_module.trainer,
+            lambda: self._log_sync is not None and self._log_sync.stop_agreed,
+            lambda: self._log_sync is not None and self._log_sync.requeue_agreed,
         )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # set per batch: a callback (e.g. StochasticWeightAveraging) may have switched it back
         lc.set_skip_backward(self.lightning_module.trainer, True)
+        self._saves_at_step_boundary()  # a save in flight is committed once every rank has written it
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -473,6 +492,7 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self._finish_saves()
         if self._trace is not None:
             self._trace.flush()
 
@@ -549,46 +569,6 @@ class BFPPStrategy(PipelineCollectives, ModelParallelStrategy):
         if self.pipeline is not None:
             self.pipeline.executor.close()
         super().teardown()
-
-    # -- checkpoints (see adapter.checkpointing) ------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return engine_checkpoint.model_state(self.lightning_module, self.tied.aliases)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        optimizer = lc.unwrap_optimizer(optimizer)
-        return engine_checkpoint.optimizer_state(self.lightning_module, optimizer, self.tied.aliases)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: lc.PathLike, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "BFPPStrategy writes distributed checkpoints with torch.distributed.checkpoint and takes no"
-                " `storage_options`."
-            )
-        assert self._checkpoint_place is not None
-        checkpointing.save(checkpoint, Path(self.broadcast(str(filepath))), self._checkpoint_place)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: lc.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.lightning_module is not None and self._checkpoint_place is not None
-        module = self.lightning_module
-        averaged = weight_averaging.average(module.trainer.callbacks)  # type: ignore[attr-defined]
-        loaded = checkpointing.load(
-            Path(self.broadcast(str(checkpoint_path))), module,
-            [lc.unwrap_optimizer(o) for o in self.optimizers], self._checkpoint_place,
-            strict=module.strict_loading, weights_only=weights_only, warn=rank_zero_warn,
-            averaged=None if averaged is None else averaged.module,
-        )  # fmt: skip
-        if averaged is not None:
-            weight_averaging.loaded_states(loaded, module, averaged)
-        return loaded
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

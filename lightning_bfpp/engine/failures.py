@@ -13,7 +13,10 @@ process exits with an error, an ``srun`` without ``--kill-on-bad-exit`` does not
 - a process that raises reports it (``BFPPStrategy.on_exception``); every other process sees the report
   within ``interval`` seconds, prints it and exits with status 1;
 - each process refreshes a heartbeat key every ``interval`` and watches its ring neighbour's; one that stopped
-  for ``timeout`` seconds is reported as dead, so a killed process is noticed within ``timeout + interval``;
+  for ``timeout`` seconds is reported as dead, so a killed process is noticed within ``timeout + interval``.
+  One that is still there (hung, or stopped with SIGSTOP) is killed (SIGKILL) by its watcher when both run on
+  the same host: a launcher's SIGTERM does not end a stopped process (torchrun waits 30 s before its SIGKILL,
+  and only then restarts the group), and a hung process would keep its accelerator's memory;
 - losing the store itself (its host process died) is a failure too.
 
 Per interval each process makes one write and two reads on the store, so its load grows linearly with the
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -64,6 +69,7 @@ class FailureWatchdog:
         self._reported = False
 
     def start(self) -> None:
+        self.store.set(self._process_key(self.rank), f"{socket.gethostname()} {os.getpid()}")
         self.store.set(self._alive_key(self.rank), "0")
         self._thread = threading.Thread(target=self._run, name="bfpp-failure-watchdog", daemon=True)
         self._thread.start()
@@ -89,6 +95,21 @@ class FailureWatchdog:
     def _alive_key(self, rank: int) -> str:
         return f"alive/{rank}"
 
+    def _process_key(self, rank: int) -> str:
+        return f"process/{rank}"
+
+    def _kill_if_here(self, rank: int) -> str:
+        """SIGKILL ``rank``'s process if it runs on this host (it stopped responding); what was done, for the
+        message."""
+        try:
+            host, pid = self.store.get(self._process_key(rank)).decode().split()
+            if host != socket.gethostname():
+                return ""
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):  # gone already, or no such key
+            return ""
+        return f"; killed it (process {pid} on this host)"
+
     def _run(self) -> None:
         beat = 0
         neighbour = (self.rank + 1) % self.world_size
@@ -111,8 +132,8 @@ class FailureWatchdog:
                 elif now - last_change > self.timeout:
                     message = (
                         f"rank {neighbour} failed: it stopped responding (no heartbeat for {self.timeout:.0f} s;"
-                        " killed, out of memory, or its node was lost)"
-                    )
+                        " killed, out of memory, hung, or its node was lost)"
+                    ) + self._kill_if_here(neighbour)
                     if not self.store.check([_FAILED]):
                         self.store.set(_FAILED, message)
                     self._stop(message)

@@ -31,8 +31,9 @@ LAYOUTS = {  # (strategy, local batch size) giving a global batch of 16 on 4 pro
 MODEL = {"optimizer": "adamw", "param_groups": 2, "scheduler": "step"}
 
 
-def run(name, layout="p2_dp2_v2", epochs=2, model=MODEL, steps=None, **kwargs) -> RunSpec:
+def run(name, layout="p2_dp2_v2", epochs=2, model=MODEL, steps=None, async_saves=False, **kwargs) -> RunSpec:
     strategy, batch = LAYOUTS[layout]
+    strategy = {**strategy, "async_checkpoint": True} if async_saves else strategy
     limit = {"max_steps": steps} if steps else {"max_epochs": epochs, "max_steps": -1}
     return RunSpec(
         name=name,
@@ -54,6 +55,8 @@ SINGLE_MODEL = {"optimizer": "adamw", "scheduler": "step"}  # one param group: s
 # agreed on every rank, so the processes go on with the next run); the last run saves once more.
 CHAIN = ["plan", "write", "metadata", "between_renames", "after_renames"]  # see tests.models.FailWhileSaving
 CHAIN_FOLDER = "fail_plan/ckpts"  # the first run's checkpoint folder, where every run of the chain saves
+EACH_STEP_FAILS = ["topk_every_step", "fail_save:write:2"]
+ASYNC_FOLDER = "ckpts/each_step"  # where the "topk_every_step" check saves, keeping the newest only
 
 
 def chain_runs() -> list[RunSpec]:
@@ -85,6 +88,10 @@ def results(tmp_path_factory):
         run("resume_dp4", layout="p1_dp4_v2", resume_from="half/end.ckpt"),
         run("from_single_device", model=SINGLE_MODEL, resume_from=str(single)),
         *chain_runs(),
+        # saves written while training goes on (each file's write takes 0.5 s longer), one a step
+        run("async_half", epochs=1, async_saves=True, checks=["topk_every_step", "slow_writes:0.5"]),
+        run("async_resumed", resume_from=f"async_half/{ASYNC_FOLDER}/step=3.ckpt"),
+        run("async_write_fails", steps=3, async_saves=True, checks=EACH_STEP_FAILS, expect_error=True),
     ]
     return workdir, launch(runs, 4, workdir, timeout=600)
 
@@ -232,3 +239,39 @@ def test_hand_the_checkpoint_to_the_oldest_torch(results):
         },
         target / "resumed.pt",
     )
+
+
+# -- saves that do not stop training (async_checkpoint=True) -------------------------------------------------------
+
+
+def test_an_asynchronous_save_is_written_while_training_goes_on_and_counts_once_every_rank_wrote_it(results):
+    """A checkpoint every step, each rank's write slowed by 0.5 s: at the start of each next step the save is still
+    being written (its staging folder there), the previous checkpoint is in place and still kept (the callback's
+    removal of it waits for the new one), and one save at most is in flight; the end of training commits the last."""
+    workdir, res = results
+    seen = json.loads((workdir / "out" / "async_half" / "saves_seen.json").read_text())
+    assert seen == [
+        {"step": 0, "names": []},
+        {"step": 1, "names": ["step=1.ckpt.tmp"]},
+        {"step": 2, "names": ["step=1.ckpt", "step=2.ckpt.tmp"]},
+    ]
+    folder = workdir / "out" / "async_half" / ASYNC_FOLDER
+    assert sorted(p.name for p in folder.iterdir()) == ["step=3.ckpt"]
+    assert torch.load(folder / "step=3.ckpt" / "meta.pt", weights_only=True)["global_step"] == 3
+    for rank in range(4):  # saving did not change training, and its checkpoint resumes exactly
+        assert losses(res["async_half"], rank) == losses(res["straight"], rank)[:3]
+        assert losses(res["async_resumed"], rank) == losses(res["straight"], rank)[3:]
+    straight, resumed = res["straight"], res["async_resumed"]
+    assert all(torch.equal(resumed.params[k], straight.params[k]) for k in straight.params)
+    assert all(torch.equal(resumed.optimizer_state[k], straight.optimizer_state[k]) for k in straight.optimizer_state)
+
+
+def test_an_asynchronous_write_that_fails_is_raised_on_every_rank_at_the_next_step_and_keeps_the_previous(results):
+    workdir, res = results
+    folder = workdir / "out" / "async_write_fails" / ASYNC_FOLDER
+    error = _agreed_error(res["async_write_fails"])
+    assert error.startswith(
+        f"CheckpointError: BFPPStrategy could not save the checkpoint {folder / 'step=2.ckpt'}; the previous one"
+        " there is unchanged: rank 1 failed: OSError: injected failure (write) on rank 1"
+    ), error
+    assert sorted(p.name for p in folder.iterdir()) == ["step=1.ckpt"]  # no staging folder, the previous kept

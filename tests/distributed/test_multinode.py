@@ -1,7 +1,7 @@
 """More than one machine: two "nodes" started by ``torchrun`` the way a cluster starts them, on this machine.
 
 Each node is its own ``torchrun --nnodes 2 --node-rank R --nproc-per-node 2`` with the same rendezvous
-address (what ``examples/slurm/train.sbatch`` runs on each node of a Slurm allocation); Lightning sees
+address (what a cluster's job runs on each node of its allocation); Lightning sees
 ``TorchElasticEnvironment`` and ``Trainer(num_nodes=2, devices=2)``. The strategy's default mesh puts a
 pipeline inside a node (``pipeline_parallel_size=None``: the processes of one node) and the data-parallel
 replicas across nodes; the other order (``mesh_order="pipeline_data"``) keeps each data-parallel group

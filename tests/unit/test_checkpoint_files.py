@@ -4,7 +4,9 @@ tests/distributed/test_resume.py)."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -502,3 +504,31 @@ def test_an_optimizer_state_keyed_by_name_loads_as_torchs_own_would(stepped):
     for index, state in want["state"].items():
         for key, value in state.items():
             assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def test_resuming_from_last_takes_the_newest_complete_checkpoint_an_interrupted_save_left(tmp_path, one_process_group):
+    """``ckpt_path="last"``: a save killed between its two renames leaves the previous checkpoint as
+    ``last.ckpt.old`` and no ``last.ckpt``; the resume takes ``.old`` (Lightning alone sees no last checkpoint and
+    starts over, and its first save then removes ``.old``). Beside an older ``last.ckpt``, a newer
+    ``last-v1.ckpt.old`` is taken; a folder without ``meta.pt`` (a copy cut short) is never taken."""
+    folder = tmp_path / "ckpts"
+    _fit(folder, steps=2)
+    (folder / "last.ckpt").rename(folder / "last.ckpt.old")
+    trainer = _fit(folder, steps=3, ckpt_path="last")
+    assert trainer.global_step == 3 and torch.load(folder / "last.ckpt" / METADATA_FILENAME)["global_step"] == 3
+    assert not (folder / "last.ckpt.old").exists()  # removed once the new one was in place
+
+    shutil.copytree(folder / "last.ckpt", folder / "last-v1.ckpt.old")  # step 3, newer than what follows
+    meta = torch.load(folder / "last.ckpt" / METADATA_FILENAME, weights_only=False)
+    torch.save({**meta, "global_step": 1}, folder / "last.ckpt" / METADATA_FILENAME)  # pretend it is older
+    os.utime(folder / "last.ckpt", (1, 1))
+    chosen = checkpoint_io.complete_last_checkpoints(
+        {str(folder / "last.ckpt")}, folder, lambda name: name.startswith("last") and name.endswith(".ckpt")
+    )
+    assert chosen == {str(folder / "last.ckpt"), str(folder / "last-v1.ckpt.old")}
+    (folder / "last-v1.ckpt.old" / METADATA_FILENAME).unlink()  # incomplete: never chosen
+    (folder / "last-v2.ckpt").mkdir()
+    chosen = checkpoint_io.complete_last_checkpoints(
+        {str(folder / "last.ckpt"), str(folder / "last-v2.ckpt")}, folder, lambda name: name.startswith("last")
+    )
+    assert chosen == {str(folder / "last.ckpt")}

@@ -335,6 +335,16 @@ def test_lightning_internals():
 
     assert _compat._METADATA_FILENAME == _METADATA_FILENAME  # a literal in _compat, so checkpoint/ needs no Lightning
     assert not hasattr(_compat, "set_skip_backward")  # Lightning's names live in _lightning_compat only
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    sampler = torch.utils.data.RandomSampler(range(4))
+    assert _lightning_compat.wrapped_sampler(DistributedSamplerWrapper(sampler, num_replicas=2, rank=0)) is sampler
+    # SLURM's requeue (share_sigterm_through) and its checkpoint among "last" (find_last_checkpoints_with)
+    connector = trainer._signal_connector
+    assert callable(connector._slurm_sigusr_handler_fn) and callable(connector._sigterm_notifier_fn)
+    assert trainer._checkpoint_connector._hpc_resume_path is None
+    assert trainer._checkpoint_connector.hpc_save_path("root").endswith("hpc_ckpt_1.ckpt")
+    assert trainer._accelerator_connector.cluster_environment is not None
 
 
 def test_lightning_hooks_and_strategy_state():

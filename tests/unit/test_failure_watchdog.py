@@ -95,6 +95,23 @@ def test_a_killed_process_is_noticed_by_its_heartbeat_and_stops_the_others():
     del store
 
 
+def test_a_stopped_process_is_killed_by_its_watcher_and_the_others_stop():
+    """SIGSTOP: the process is there but does nothing (a hang). Its watcher (rank 1 watches rank 2) kills it on
+    this host, so that no launcher has to wait for a stopped process to end."""
+    store, procs = _start(3, {})
+    procs[2].send_signal(signal.SIGSTOP)
+    start = time.monotonic()
+    results = _finish(procs, within=15)
+    assert time.monotonic() - start < 2.0 + 3.0
+    assert results[2][0] == -signal.SIGKILL
+    for rank in (0, 1):
+        code, err = results[rank]
+        assert code == 1
+        assert "because rank 2 failed: it stopped responding (no heartbeat for 2 s" in err, err
+        assert f"killed it (process {procs[2].pid} on this host)" in err, err
+    del store
+
+
 def test_losing_the_store_stops_every_process():
     store, procs = _start(2, {})
     start = time.monotonic()

@@ -59,7 +59,7 @@ from lightning_bfpp.engine.checkpoint.names import (
 )
 from lightning_bfpp.engine.checkpoint.one_device import load_full_optimizer, load_full_weights
 from lightning_bfpp.engine.checkpoint.saving import _swap_in as _swap_in
-from lightning_bfpp.engine.checkpoint.saving import resolve_path, save
+from lightning_bfpp.engine.checkpoint.saving import complete_last_checkpoints, resolve_path, save
 from lightning_bfpp.engine.checkpoint.unpickling import load_metadata, reader, resolve_weights_only, torch_load
 
 __all__ = [
@@ -75,6 +75,7 @@ __all__ = [
     "check_full",
     "check_sharded",
     "checkpoint_keys",
+    "complete_last_checkpoints",
     "from_canonical",
     "gather_loader_states",
     "is_sharded_checkpoint",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +45,8 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
     (or ``<path>.old``, :func:`resolve_path`), Lightning's ``ModelCheckpoint`` lists only ``*.ckpt`` names, and
     the next save at ``path`` removes it first.
     """
-    staging = path.with_name(path.name + ".tmp")
-    context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
+    staging, context = prepare(path, is_global_zero=is_global_zero)
     error: BaseException | None = None
-    if is_global_zero:
-        try:  # left over by a save that was killed
-            _remove(staging)
-        except Exception as failure:  # shared with every rank below
-            error = failure
-    raise_on_every_rank(error, context)
     try:
         dcp.save(state, checkpoint_id=staging)
     except CheckpointException as failure:  # DCP raises it on every rank, from the ranks' shared outcomes
@@ -63,6 +57,33 @@ def save(path: Path, state: dict[str, Any], metadata: dict[str, Any], *, is_glob
         if is_global_zero:
             _discard(staging)
         raise
+    commit(staging, path, metadata, error, is_global_zero=is_global_zero)
+
+
+def prepare(path: Path, *, is_global_zero: bool) -> tuple[Path, str]:
+    """A collective before a save's writes: its staging folder ``<path>.tmp``, emptied of what a killed save left
+    there and created (by global rank 0: it is there when the save returns, even before an asynchronous save's
+    thread has begun), and the context its errors name."""
+    staging = path.with_name(path.name + ".tmp")
+    context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
+    error: BaseException | None = None
+    if is_global_zero:
+        try:  # left over by a save that was killed
+            _remove(staging)
+            staging.mkdir(parents=True)
+        except Exception as failure:  # shared with every rank below
+            error = failure
+    raise_on_every_rank(error, context)
+    return staging, context
+
+
+def commit(
+    staging: Path, path: Path, metadata: dict[str, Any], error: BaseException | None, *, is_global_zero: bool
+) -> None:
+    """A collective after every rank's writes: ``error`` (this rank's failed write, or None) raised on every rank,
+    or ``meta.pt`` written and the folder swapped in at ``path`` by global rank 0, and its failure raised on
+    every rank."""
+    context = f"BFPPStrategy could not save the checkpoint {path}; the previous one there is unchanged"
     raise_on_every_rank(error, context)  # every rank waits here until rank 0 has removed the staging folder
     if is_global_zero:
         try:
@@ -137,3 +158,23 @@ def resolve_path(path: Path) -> tuple[Path, str | None]:
             " the next save at this path replaces it."
         )
     raise CheckpointError(f"BFPPStrategy cannot load {path}: it does not exist (nor {old.name} beside it).")
+
+
+def complete_last_checkpoints(found: Iterable[str], folder: Path, is_last: Callable[[str], bool]) -> set[str]:
+    """The checkpoints a resume from "last" may choose among in ``folder``: of ``found`` (the names a checkpoint
+    callback takes for its last ones), the files and the complete folders (``meta.pt`` is written last); and a
+    complete ``<name>.old`` whose ``<name>`` is gone (a save killed between its two renames, which leaves the
+    previous checkpoint there: without it a resume would start over, and the next save at ``<name>`` would remove
+    ``.old``). A folder without ``meta.pt`` (a copy cut short, a save of another tool) is never chosen."""
+    chosen = {path for path in found if not Path(path).is_dir() or is_sharded_checkpoint(Path(path))}
+    if folder.is_dir():
+        for old in folder.iterdir():
+            name = old.name.removesuffix(".old")
+            if (
+                old.name.endswith(".old")
+                and is_last(name)
+                and not (folder / name).exists()
+                and is_sharded_checkpoint(old)
+            ):
+                chosen.add(str(old))
+    return chosen

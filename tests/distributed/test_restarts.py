@@ -1,0 +1,193 @@
+"""A run that loses a process, hangs, or is preempted finishes by itself, as if nothing had happened.
+
+``tests/distributed/restart_train.py`` is a user's script: p=2 dp=2 v=2 on 4 processes, 12 steps, a checkpoint every
+3 steps (``ModelCheckpoint(save_last=True)``), a shuffled ``StatefulDataLoader`` (5 steps an epoch: the checkpoints
+fall in mid-epoch), AdamW with a step scheduler, ``EMAWeightAveraging``, random draws in the step, and
+``trainer.fit(model, loader, ckpt_path="last")``. Its runs:
+
+- straight, the reference;
+- killed: rank 1 SIGKILLed at the start of step 7 in the first attempt, under ``torchrun --max-restarts 2``: every
+  rank forms its process groups again (each attempt on a store of its own) and resumes from step 6's checkpoint;
+- hung: rank 2 SIGSTOPped at step 5 (``failure_timeout=5``): the watchdog kills it and stops the others, torchrun
+  restarts the group, the run resumes from step 3's;
+- spent: rank 1 killed at step 7 in both attempts, right after an asynchronous save: the job ends nonzero, with no
+  process left and the newest complete checkpoint intact;
+- slurm: four tasks started as ``srun`` starts them under SLURM, the requeue signal on one rank, an ``scontrol``
+  stand-in on ``PATH``; then the requeued job.
+
+Every job that completes equals the straight run bit for bit: every step's loss (the repeated ones included), the
+final weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bfpp.engine.checkpoint import is_sharded_checkpoint
+from tests.conftest import LAUNCHER_VARIABLES
+from tests.distributed.harness import REPO
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+SCRIPT = "tests/distributed/restart_train.py"
+HANG = ("--kill-rank", "2", "--kill-step", "5", "--stop")
+# killed in every attempt, right after a save that is written while training goes on (in flight, or just committed)
+SPENT = ("--kill-rank", "1", "--kill-step", "7", "--always", "--max-steps", "8", "--async-saves")
+
+
+def torchrun(out: Path, env: dict[str, str], *args: str, restarts: int) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "--max-restarts", str(restarts), SCRIPT, str(out), *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+
+
+SCONTROL = '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n'  # records the requeue the job asked for
+
+
+def slurm_job(out: Path, env: dict[str, str], *args: str, restart_count: int) -> tuple[list[int], str]:
+    """The script as ``srun`` starts it for a job of 4 tasks on one node (a requeued job: ``restart_count`` 1),
+    with an ``scontrol`` stand-in on ``PATH``; each task's exit code, and what they printed."""
+    bin_dir = out.parent / "slurm_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    (bin_dir / "scontrol").chmod(0o755)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    job = {
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_RESTART_COUNT": str(restart_count),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PATH": f"{bin_dir}:{env['PATH']}",
+        "SCONTROL_LOG": str(out / "requeued"),
+    }  # fmt: skip
+    command, output = (
+        [sys.executable, SCRIPT, str(out), *args],
+        {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT},
+    )
+    tasks = [
+        subprocess.Popen(
+            command, cwd=REPO, text=True, env={**env, **job, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, **output
+        )
+        for r in range(4)
+    ]
+    printed = [task.communicate(timeout=300)[0] for task in tasks]
+    return [task.returncode for task in tasks], "\n".join(printed)
+
+
+def losses(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"losses_rank{rank}.jsonl").read_text().splitlines()]
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("final_pp*.pt")):
+        state.update(torch.load(path))
+    return state
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    # a script's environment (tests.conftest's `script_env`), for the module's runs
+    script_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"OMP_NUM_THREADS": "1"}
+    root = tmp_path_factory.mktemp("restarts")
+    straight = torchrun(root / "straight", script_env, restarts=0)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = torchrun(root / "killed", script_env, "--kill-rank", "1", "--kill-step", "7", restarts=2)
+    hung = torchrun(root / "hung", script_env, *HANG, "--failure-timeout", "5", restarts=1)  # rank 2 hangs at step 5
+    spent = torchrun(root / "spent", script_env, *SPENT, "--failure-timeout", "5", restarts=1)
+    # SLURM: rank 2 gets the requeue signal at the start of step 4; the job ends; the requeued job resumes
+    preempted = slurm_job(root / "slurm", script_env, "--kill-rank", "2", "--requeue-step", "4", restart_count=0)
+    requeued = slurm_job(root / "slurm", script_env, restart_count=1)
+    return root, straight, killed, hung, spent, (preempted, requeued)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes_by_itself(runs):
+    root, _, killed, _, _, _ = runs
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    for rank in range(4):
+        attempts = [(line["attempt"], line["step"]) for line in losses(root / "killed", rank)]
+        first = [step for attempt, step in attempts if attempt == 0]
+        assert first == list(range(1, 7)), attempts  # killed at the start of step 7
+        assert [step for attempt, step in attempts if attempt == 1] == list(range(7, 13)), attempts  # from step 6's
+
+
+@pytest.mark.parametrize("name", ["killed", "hung"])
+def test_every_loss_and_the_final_state_equal_the_uninterrupted_runs_bit_for_bit(runs, name):
+    root, _, killed, hung, _, _ = runs
+    job = {"killed": killed, "hung": hung}[name]
+    assert job.returncode == 0, job.stderr[-4000:]
+    for rank in range(4):
+        want = {line["step"]: line["loss"] for line in losses(root / "straight", rank)}
+        assert sorted(want) == list(range(1, 13))
+        for line in losses(root / name, rank):  # the repeated steps included
+            assert line["loss"] == want[line["step"]], (rank, line)
+    straight, resumed = final_state(root / "straight"), final_state(root / name)
+    assert straight and straight.keys() == resumed.keys()
+    assert any(key.startswith("optim/") for key in straight)
+    differ = [key for key in straight if not torch.equal(straight[key], resumed[key])]
+    assert not differ, differ[:5]
+
+
+def test_a_hung_rank_is_killed_by_the_failure_timeout_and_the_group_restarted(runs):
+    """Rank 2 stopped (SIGSTOP) at the start of step 5: its watcher (rank 1) finds no heartbeat for 5 s, kills it
+    and stops, the others stop with it, torchrun restarts the group (without the 30 s it waits for a stopped
+    process), and the next attempt resumes from step 3's checkpoint."""
+    root, _, _, hung, _, _ = runs
+    assert hung.returncode == 0, hung.stderr[-4000:]
+    assert "rank 2 failed: it stopped responding (no heartbeat for 5 s" in hung.stderr
+    assert "killed it (process " in hung.stderr
+    for rank in range(4):
+        attempts = [(line["attempt"], line["step"]) for line in losses(root / "hung", rank)]
+        assert [step for attempt, step in attempts if attempt == 0] == [1, 2, 3, 4], attempts
+        assert [step for attempt, step in attempts if attempt == 1] == list(range(4, 13)), attempts
+
+
+def test_a_run_failing_in_every_attempt_ends_nonzero_naming_the_rank_and_keeps_the_last_checkpoint(runs):
+    """Rank 1 killed at the start of step 7 in both attempts, while step 6's asynchronous save may still be written:
+    torchrun gives up with a nonzero exit naming the rank, no process is left (writer threads included), and the
+    newest complete checkpoint is intact: step 6's if it was committed before the kill, step 3's otherwise."""
+    root, _, _, _, spent, _ = runs
+    assert spent.returncode != 0
+    assert "rank 1 failed" in spent.stderr or "rank      : 1" in spent.stderr, spent.stderr[-4000:]
+    steps = {line["attempt"]: line["step"] for line in losses(root / "spent", 0)}  # each attempt's last step
+    assert steps == {0: 6, 1: 6}  # both attempts ran until the kill at step 7
+    last = root / "spent" / "ckpts" / "last.ckpt"
+    assert is_sharded_checkpoint(last)
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] in (3, 6)
+    left = subprocess.run(["pgrep", "-f", str(root / "spent")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "processes left behind: " + left.stdout
+
+
+def test_slurms_requeue_signal_saves_on_every_rank_at_one_step_and_the_requeued_job_resumes_exactly(runs):
+    """``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under SLURM): the signal reaches rank 2 at the
+    start of step 4; the step's collective carries it, and at the next step boundary every rank saves Lightning's
+    requeue checkpoint (``hpc_ckpt_1.ckpt``, after step 4) and global rank 0 calls ``scontrol requeue`` once. SLURM
+    then ends the job (SIGTERM to every task, during step 5): every rank saves again where they stop
+    (``hpc_ckpt_2.ckpt``, after step 5). The requeued job's ``ckpt_path="last"`` finds that checkpoint, newer than
+    the callback's (step 3; Lightning alone looks for it only without a ``ckpt_path``), and ends as the
+    uninterrupted run, bit for bit."""
+    root, *_, ((preempted_codes, preempted_out), (requeued_codes, requeued_out)) = runs
+    out = root / "slurm"
+    assert (out / "requeued").read_text() == "requeue 4242\n", preempted_out[-4000:]
+    saved = {p.name: torch.load(p / "meta.pt", weights_only=True)["global_step"] for p in out.glob("hpc_ckpt_*")}
+    assert saved == {"hpc_ckpt_1.ckpt": 4, "hpc_ckpt_2.ckpt": 5}
+    assert all(code != 0 for code in preempted_codes)  # stopped by SIGTERM
+    assert requeued_codes == [0, 0, 0, 0], requeued_out[-4000:]
+    for rank in range(4):
+        attempts = [(line["attempt"], line["step"]) for line in losses(out, rank)]
+        assert [step for attempt, step in attempts if attempt == 0] == [1, 2, 3, 4, 5], attempts
+        assert [step for attempt, step in attempts if attempt == 1] == list(range(6, 13)), attempts
+        want = {line["step"]: line["loss"] for line in losses(root / "straight", rank)}
+        assert all(line["loss"] == want[line["step"]] for line in losses(out, rank)), rank
+    straight, resumed = final_state(root / "straight"), final_state(out)
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
