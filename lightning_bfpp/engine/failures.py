@@ -14,9 +14,10 @@ process exits with an error, an ``srun`` without ``--kill-on-bad-exit`` does not
   within ``interval`` seconds, prints it and exits with status 1;
 - each process refreshes a heartbeat key every ``interval`` and watches its ring neighbour's; one that stopped
   for ``timeout`` seconds is reported as dead, so a killed process is noticed within ``timeout + interval``.
-  One that is still there (hung, or stopped with SIGSTOP) is killed (SIGKILL) by its watcher when both run on
-  the same host: a launcher's SIGTERM does not end a stopped process (torchrun waits 30 s before its SIGKILL,
-  and only then restarts the group), and a hung process would keep its accelerator's memory;
+  One that is still there after it had beaten (hung, or stopped with SIGSTOP) is killed (SIGKILL) by its
+  watcher when both run on the same host: a launcher's SIGTERM does not end a stopped process (torchrun waits
+  30 s before its SIGKILL, and only then restarts the group), and a hung process would keep its accelerator's
+  memory. One never seen beating may only be slow to start, and is not killed;
 - losing the store itself (its host process died) is a failure too.
 
 Per interval each process makes one write and two reads on the store, so its load grows linearly with the
@@ -133,7 +134,7 @@ class FailureWatchdog:
                     message = (
                         f"rank {neighbour} failed: it stopped responding (no heartbeat for {self.timeout:.0f} s;"
                         " killed, out of memory, hung, or its node was lost)"
-                    ) + self._kill_if_here(neighbour)
+                    ) + (self._kill_if_here(neighbour) if last_value is not None else "")  # it had started
                     if not self.store.check([_FAILED]):
                         self.store.set(_FAILED, message)
                     self._stop(message)

@@ -52,7 +52,12 @@ def _start(world: int, actions: dict[int, str]) -> tuple[dist.TCPStore, list[sub
         for r in range(world)
     ]
     for proc in procs:  # every watchdog is running before anything happens
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "started":  # it died starting: say how, for whoever reads the failure
+            for other in procs:
+                other.kill()
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"a rank exited with {proc.returncode} before its watchdog started:\n{err[-4000:]}")
     return store, procs
 
 
