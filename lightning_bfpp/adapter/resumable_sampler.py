@@ -26,16 +26,18 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning_bfpp.adapter._lightning_compat import wrapped_sampler
 
 
+def _own_generator(wrapper: DistributedSamplerWrapper) -> torch.Generator | None:
+    """The generator the sampler inside Lightning's wrapper draws its permutations from, if it has one."""
+    generator = getattr(wrapped_sampler(wrapper), "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
 class ResumableSamplerWrapper(DistributedSamplerWrapper):
     """Lightning's ``DistributedSamplerWrapper``, whose state is the wrapped sampler's generator (at the epoch's
     start and now) and the samples yielded in the epoch."""
 
-    def _generator(self) -> torch.Generator | None:
-        generator = getattr(wrapped_sampler(self), "generator", None)
-        return generator if isinstance(generator, torch.Generator) else None
-
     def __iter__(self) -> Iterator:
-        generator, restore = self._generator(), self.__dict__.pop("_restore", None)
+        generator, restore = _own_generator(self), self.__dict__.pop("_restore", None)
         restores_generator = generator is not None and restore is not None and restore["epoch_start"] is not None
         if generator is not None:
             if restores_generator:
@@ -57,7 +59,7 @@ class ResumableSamplerWrapper(DistributedSamplerWrapper):
                 yield index
 
     def state_dict(self) -> dict[str, Any]:
-        generator = self._generator()
+        generator = _own_generator(self)
         return {
             "epoch_start": getattr(self, "_epoch_start_generator", None),
             "generator": generator.get_state() if generator is not None else None,
@@ -65,7 +67,7 @@ class ResumableSamplerWrapper(DistributedSamplerWrapper):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("epoch_start") is None or self._generator() is None:
+        if state_dict.get("epoch_start") is None or _own_generator(self) is None:
             state_dict = {**state_dict, "epoch_start": None, "generator": None}
         self._restore = state_dict
 
@@ -79,6 +81,5 @@ def make_resumable(dataloader: object) -> None:
         return
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        wrapped = type(sampler) is DistributedSamplerWrapper
-        if wrapped and isinstance(getattr(wrapped_sampler(sampler), "generator", None), torch.Generator):
+        if type(sampler) is DistributedSamplerWrapper and _own_generator(sampler) is not None:
             sampler.__class__ = ResumableSamplerWrapper
