@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -52,8 +53,8 @@ class Net(L.LightningModule):
             x = torch.tanh(layer(x))
         return self.layers[-1](x)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch  # the samples' indices last
         noisy = x + 0.1 * torch.randn_like(x) if self.noise else x  # a random draw in the step
         loss = ((self(noisy) - y) ** 2).mean()
         self.log("train_loss", loss)
@@ -94,17 +95,41 @@ class Requeue(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class LoseNode(L.Callback):
+    """A machine lost: at the start of step ``step`` in the first attempt, the first local rank of the torchrun
+    agent started with ``LOSE_THIS_NODE=1`` kills the agent, the agent's other workers and itself (SIGKILL)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object, i: int) -> None:
+        lost = os.environ.get("LOSE_THIS_NODE") == "1" and os.environ.get("LOCAL_RANK") == "0"
+        if ATTEMPT == 0 and lost and trainer.global_step + 1 == self.step:
+            agent = os.getppid()
+            workers = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split()
+            os.kill(agent, signal.SIGKILL)
+            for pid in map(int, workers):
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Record(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, i: int) -> None:
+        strategy = trainer.strategy
         line = {
             "attempt": ATTEMPT,
             "step": trainer.global_step,
             "loss": float(outputs["loss"]),
             "batch": round(float(batch[0].sum()), 4),
+            "samples": batch[2].tolist(),
             "epoch": trainer.current_epoch,
+            "replica": strategy.data_parallel_rank,
+            "replicas": strategy.distributed_sampler_kwargs["num_replicas"],
+            "stage_rank": strategy.pipeline_rank,
         }
         with open(self.out / f"losses_rank{trainer.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(line) + "\n")
@@ -134,21 +159,28 @@ def main() -> None:
     parser.add_argument("--requeue-step", type=int, default=None, help="SLURM's requeue signal on --kill-rank")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--without", default="", help="comma-separated: ema, noise, shuffle, scheduler")
+    parser.add_argument("--lose-node-step", type=int, default=None, help="see LoseNode")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(1)
-    data = list(zip(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g), strict=True))
+    data = list(zip(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g), range(40), strict=True))
     without = set(args.without.split(","))
     Net.noise = "noise" not in without
     shuffle = "shuffle" not in without
-    loader = StatefulDataLoader(data, batch_size=4, shuffle=shuffle, generator=torch.Generator().manual_seed(2))
+    # one global batch of 8 on any number of machines (torchrun's --nnodes MIN:MAX): 4 per replica on 4 processes
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", 4)), int(os.environ.get("WORLD_SIZE", 4))
+    replicas = world // 2
+    loader = StatefulDataLoader(
+        data, batch_size=8 // replicas, shuffle=shuffle, generator=torch.Generator().manual_seed(2)
+    )
     strategy = lightning_bfpp.BFPPStrategy(
         pipeline_parallel_size=2, stages_per_rank=2, num_microbatches=2, failure_timeout=args.failure_timeout,
         async_checkpoint=args.async_saves,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=local,
+        num_nodes=world // local,
         strategy=strategy,
         max_steps=args.max_steps,
         logger=False,
@@ -160,6 +192,7 @@ def main() -> None:
             *([] if "ema" in without else [EMAWeightAveraging(decay=0.9)]),
             Kill(args.kill_rank, args.kill_step, signal.SIGSTOP if args.stop else signal.SIGKILL, args.always),
             *([Requeue(args.kill_rank, args.requeue_step, args.out / "requeued")] if args.requeue_step else []),
+            *([LoseNode(args.lose_node_step)] if args.lose_node_step else []),
             Record(args.out),
         ],
     )

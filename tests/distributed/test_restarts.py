@@ -13,10 +13,13 @@ fall in mid-epoch), AdamW with a step scheduler, ``EMAWeightAveraging``, random 
 - spent: rank 1 killed at step 7 in both attempts, right after an asynchronous save: the job ends nonzero, with no
   process left and the newest complete checkpoint intact;
 - slurm: four tasks started as ``srun`` starts them under SLURM, the requeue signal on one rank, an ``scontrol``
-  stand-in on ``PATH``; then the requeued job.
+  stand-in on ``PATH``; then the requeued job;
+- fewer machines: two torchrun agents ("nodes" of 2 processes, ``--nnodes 1:2``), one lost with its processes at
+  step 7; the other re-plans on its 2 processes (data_parallel_size 1) and resumes.
 
-Every job that completes equals the straight run bit for bit: every step's loss (the repeated ones included), the
-final weights and optimizer state.
+Every job that completes on the same machines equals the straight run bit for bit: every step's loss (the repeated
+ones included), the final weights and optimizer state. The run that lost a machine reads at each step the samples the
+straight run read, and equals it to fp32 rounding (the global batch is the script's, whatever the machines).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +88,30 @@ def slurm_job(out: Path, env: dict[str, str], *args: str, restart_count: int) ->
     return [task.returncode for task in tasks], "\n".join(printed)
 
 
+def two_nodes(out: Path, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, ...]:
+    """The script under two torchrun agents on this machine, as on two machines (``--nnodes 1:2``, c10d rendezvous
+    hosted by the first); the second is the one ``LoseNode`` kills. Both agents' outcomes."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+        "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+        # both join the first round; a lost agent is dropped after 2 s without a heartbeat
+        "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+        "--monitor-interval", "0.5", SCRIPT, str(out), *args,
+    ]  # fmt: skip
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    kept = subprocess.Popen(cmd, cwd=REPO, env=env, **output)
+    time.sleep(0.5)  # the first hosts the rendezvous: a job's store outlives the machines it may lose
+    lost = subprocess.Popen(cmd, cwd=REPO, env={**env, "LOSE_THIS_NODE": "1"}, start_new_session=True, **output)
+    done = []
+    for agent in (kept, lost):
+        stdout, stderr = agent.communicate(timeout=400)
+        done.append(subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr))
+    return tuple(done)
+
+
 def losses(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"losses_rank{rank}.jsonl").read_text().splitlines()]
 
@@ -109,6 +137,58 @@ def runs(tmp_path_factory):
     preempted = slurm_job(root / "slurm", script_env, "--kill-rank", "2", "--requeue-step", "4", restart_count=0)
     requeued = slurm_job(root / "slurm", script_env, restart_count=1)
     return root, straight, killed, hung, spent, (preempted, requeued)
+
+
+@pytest.fixture(scope="module")
+def fewer_machines(tmp_path_factory):
+    """The straight run and the run that loses a machine, both without random draws in the step (a draw belongs to
+    its micro-batch, and the micro-batches of 2 replicas are not those of 1)."""
+    script_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"OMP_NUM_THREADS": "1"}
+    root = tmp_path_factory.mktemp("fewer_machines")
+    straight = torchrun(root / "straight", script_env, "--without", "noise", restarts=0)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    kept, lost = two_nodes(root / "elastic", script_env, "--without", "noise", "--lose-node-step", "7")
+    return root, kept, lost
+
+
+def steps_read(out: Path, attempt: int | None = None) -> dict[int, dict]:
+    """Per step (of ``attempt``, or all): the samples every replica read, its replica count, and the mean loss."""
+    steps: dict[int, dict] = {}
+    for path in out.glob("losses_rank*.jsonl"):
+        for line in map(json.loads, path.read_text().splitlines()):
+            if line["stage_rank"] == 0 and attempt in (None, line["attempt"]):
+                step = steps.setdefault(line["step"], {"samples": [], "replicas": line["replicas"], "losses": []})
+                step["samples"] += line["samples"]
+                step["losses"].append(line["loss"])
+    return {
+        k: {**v, "samples": sorted(v["samples"]), "loss": sum(v["losses"]) / len(v["losses"])} for k, v in steps.items()
+    }
+
+
+def test_a_run_that_loses_a_machine_goes_on_on_the_others_reading_each_sample_once(fewer_machines):
+    """Two "machines" of 2 processes (p=2, dp=2); at step 7 one is lost with its agent. torchrun's agent on the other
+    finds its workers failed, forms a rendezvous of one machine, and starts 2 processes: the strategy plans p=2 dp=1,
+    ``ckpt_path="last"`` resumes step 6's checkpoint (written at dp=2), and the loader's place in its epoch (one
+    step in) moves to the one replica, which reads with the script's batch of 8 the rest of the epoch. Each later
+    step reads the samples the straight run read at it, each sample of the epoch once; losses and the final weights
+    and optimizer state equal the straight run's to fp32 rounding."""
+    root, kept, lost = fewer_machines
+    assert kept.returncode == 0, kept.stderr[-4000:]
+    assert lost.returncode != 0
+    assert "data_parallel_size=1" in kept.stdout + kept.stderr
+    straight, first, second = (steps_read(root / "straight"), steps_read(root / "elastic", 0),
+                               steps_read(root / "elastic", 1))  # fmt: skip
+    assert sorted(first) == list(range(1, 7)) and sorted(second) == list(range(7, 13))
+    assert {step["replicas"] for step in first.values()} == {2} and {s["replicas"] for s in second.values()} == {1}
+    for step, read in (first | second).items():
+        assert read["samples"] == straight[step]["samples"], step
+        assert read["loss"] == pytest.approx(straight[step]["loss"], rel=1e-6, abs=1e-7), step
+    epoch_one = [index for step in range(6, 11) for index in (first | second)[step]["samples"]]
+    assert sorted(epoch_one) == list(range(40))  # steps 6-10, across the loss: each sample once
+    want, got = final_state(root / "straight"), final_state(root / "elastic")
+    assert want.keys() == got.keys() and any(key.startswith("optim/") for key in want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_a_killed_rank_is_restarted_and_the_run_resumes_by_itself(runs):

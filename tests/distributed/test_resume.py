@@ -127,7 +127,8 @@ def runs(tmp_path_factory):
         spec(f"{kind}_p1", 6, loader=kind, strategy=P1_V2, resume_from=str(a_out / f"{kind}_half" / CHECKPOINT))
         for kind in LOADERS
     ]
-    launch_b.append(spec("stateful_dp1", 6, dp=1, resume_from=str(a_out / "stateful_half" / CHECKPOINT)))
+    for kind in ("stateful", "noisy"):  # a place in the whole epoch, and one replica's own state
+        launch_b.append(spec(f"{kind}_dp1", 6, loader=kind, dp=1, resume_from=str(a_out / f"{kind}_half" / CHECKPOINT)))
     for name, (workdir, _) in crashes.items():  # each resumes what its kill left and saves there again
         saving = ["last_checkpoint_every_step", "save_beside_resumed", "checkpoint_folder_at_start"]
         resume = str(workdir / "out" / name / CHECKPOINT)
@@ -234,20 +235,29 @@ def test_resume_under_another_pipeline_size_is_exact(kind, runs):
     assert worst(moved.params, straight.params) < TOL
 
 
-def test_another_data_parallel_size_warns_and_starts_the_epoch_over(runs, plain_reference):
-    """dp 2 → 1: the loader states are not restored; the run then does what one device does with a plain
-    DataLoader (Lightning replays the epoch from its start)."""
-    warning = "this run has data_parallel_size=1"
-    assert runs["out_b"].count(warning) == 1  # that run only: pipeline-size changes keep the states
-    assert "one data-loader state per replica for data_parallel_size=2" in runs["out_b"]
-    moved = runs["b"]["stateful_dp1"]
-    reference_steps = plain_reference.steps
-    assert reference_steps[0]["indices"] == _first_global_batch(runs)  # the epoch started over
+def test_another_data_parallel_size_takes_the_epochs_place_to_the_replicas_left(runs, straight_reference):
+    """dp 2 → 1, the global batch of 16 kept (a run resumed on fewer machines): the place of Lightning's sampler in
+    the epoch moves to the one replica, which reads at steps 4-6 the samples both replicas of the straight run read
+    there (interleaved: one device's order), and trains as one device does."""
+    moved, replicas = runs["b"]["stateful_dp1"], by_replica(runs["a"]["stateful_straight"])
     for rank in range(2):
-        assert batches(moved, rank) == [s["indices"] for s in reference_steps]
-        assert losses(moved, rank) == pytest.approx([s["callback_metrics"]["train_loss"] for s in reference_steps],
-                                                    rel=TOL)  # fmt: skip
-    assert worst(moved.params, plain_reference.params) < TOL
+        assert [s["step"] for s in moved.steps(rank)] == [4, 5, 6]
+        for step, batch in enumerate(batches(moved, rank), start=3):
+            assert batch[0::2] == replicas[0][step] and batch[1::2] == replicas[1][step], (rank, step)
+    want = [s["callback_metrics"]["train_loss"] for s in straight_reference.steps]
+    assert losses(moved) == pytest.approx(want[3:], rel=TOL)
+    assert worst(moved.params, straight_reference.params) < TOL
+
+
+def test_a_state_of_each_replicas_own_warns_under_another_data_parallel_size_and_starts_the_epoch_over(runs):
+    """A dataset with a per-replica state of its own: its states cannot be split or merged for another replica
+    count, so none is restored (with the warning) and the epoch starts over, as with a plain DataLoader."""
+    warning = "this run has data_parallel_size=1"
+    assert runs["out_b"].count(warning) == 1  # that run only: the stateful loader's place moved
+    assert "one data-loader state per replica for data_parallel_size=2" in runs["out_b"]
+    moved = runs["b"]["noisy_dp1"]
+    assert [s["step"] for s in moved.steps(0)] == [4, 5, 6]
+    assert batches(moved, 0)[0] == _first_global_batch(runs)  # the epoch started over
 
 
 def _first_global_batch(runs) -> list[int]:
