@@ -66,6 +66,7 @@ class _ResumableEpoch(Sampler):
     """What both samplers add to Lightning's (mixed in before a ``DistributedSampler``): an epoch's iteration that
     starts at a saved place, and that place as the sampler's state. A ``Sampler`` itself, so that the classes it
     makes share the layout of the instances whose class is swapped (Python compares the first bases' chain)."""
+
     _lightning_class: type[DistributedSampler]
     # set by DistributedSampler.__init__
     dataset: Any

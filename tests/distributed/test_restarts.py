@@ -97,8 +97,9 @@ def two_nodes(out: Path, env: dict[str, str], *args: str) -> tuple[subprocess.Co
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
         "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
-        # both join the first round; a lost agent is dropped after 2 s without a heartbeat
-        "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+        # both join the first round (one joining a round already complete makes torch restart the other's workers,
+        # which we do not test here); a lost agent is dropped after 2 s without a heartbeat
+        "--rdzv-conf", "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2",
         "--monitor-interval", "0.5", SCRIPT, str(out), *args,
     ]  # fmt: skip
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
