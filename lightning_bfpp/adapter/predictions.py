@@ -16,7 +16,6 @@ back into the batches one device would have produced, by the same rule.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from lightning_bfpp.adapter import _lightning_compat as lc
 from lightning_bfpp.engine.agreement import agree_on_failure
 from lightning_bfpp.engine.microbatch import batch_size
+from lightning_bfpp.engine.same_values import same_values
 
 _REMEDY = (
     "Return per-sample values instead (tensors with the batch as dim 0, lists with one item per sample), or"
@@ -63,7 +63,7 @@ def _merge(values: list[Any], size: int, where: str) -> Any:
         return kind(*fields) if names else tuple(fields)
     if isinstance(first, dict) and all(v.keys() == first.keys() for v in values):
         return _like(first, {k: _merge([v[k] for v in values], size, f"{where}[{k!r}]") for k in first})
-    if all(_same(first, v) for v in values[1:]):
+    if all(same_values(first, v) for v in values[1:]):
         return first
     raise _refusal(where, _describe(first), len(values), size)
 
@@ -83,29 +83,6 @@ def _describe(value: Any) -> str:
     if isinstance(value, (list, tuple, dict)):
         return f"a {type(value).__name__} of {len(value)} items"
     return f"a {type(value).__name__}"
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two values are equal in type, structure and content (NaN equal to NaN)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-            return False
-        equal = a == b
-        if a.is_floating_point() or a.is_complex():
-            equal |= a.isnan() & b.isnan()
-        return bool(equal.all())
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
-    try:
-        return bool(a == b)
-    except Exception:  # e.g. an array's elementwise comparison: not a value known to be equal
-        return False
 
 
 def _like(template: dict[Any, Any], fields: dict[Any, Any]) -> dict[Any, Any]:
@@ -200,7 +177,7 @@ def in_dataset_order(
             items = _split(output, len(indices), batch_level)
             if shared is None:
                 shared = batch_level
-            elif not _same(shared, batch_level):
+            elif not same_values(shared, batch_level):
                 return None
             if all(isinstance(item, _BatchLevel) for item in items):
                 return None  # nothing per sample to put in order

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from lightning_bfpp.engine.same_values import same_values
 
 # torchdata's batch-sampler iterator state (a loader's place in its sampler): samples yielded, its sampler's state
 POSITION_KEY = "samples_yielded"
@@ -51,18 +52,6 @@ def _places_in_whole_epochs(state: Any) -> bool:
 # the seeds a multi-worker loader draws per epoch for its workers' generators (from each process's own generator):
 # no place in the data, and unequal between replicas of a run that never seeded its processes alike
 WORKER_SEED_KEYS = frozenset({"_base_seed", "_shared_seed"})
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two replicas' loader states are one place in the data (their workers' seeds aside)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, Mapping):
-        keys = a.keys() - WORKER_SEED_KEYS
-        return isinstance(b, Mapping) and keys == b.keys() - WORKER_SEED_KEYS and all(_same(a[k], b[k]) for k in keys)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def gather_loader_states(
@@ -115,7 +104,8 @@ def replica_loader_states(
         states = stored["states"]
         if saved == data_parallel_size:
             return states[data_parallel_rank], None
-        if _places_in_whole_epochs(states[0]) and all(_same(states[0], other) for other in states[1:]):
+        alike = all(same_values(states[0], other, ignored_keys=WORKER_SEED_KEYS) for other in states[1:])
+        if alike and _places_in_whole_epochs(states[0]):
             return states[0], None
         origin = f"one data-loader state per replica for data_parallel_size={saved}"
     return None, (
