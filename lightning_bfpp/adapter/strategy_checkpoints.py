@@ -28,6 +28,7 @@ from lightning_bfpp.adapter import checkpointing, weight_averaging
 from lightning_bfpp.adapter.checkpointing import CheckpointPlace
 from lightning_bfpp.engine import checkpoint as engine_checkpoint
 from lightning_bfpp.engine.checkpoint.async_saving import AsyncSaver
+from lightning_bfpp.engine.process_groups import reused
 
 
 class CheckpointMethods:
@@ -45,7 +46,10 @@ class CheckpointMethods:
     def _start_async_saves(self) -> None:
         """A collective, once the default process group exists: the writer thread's own group."""
         if self.async_checkpoint and self._async_saver is None:
-            group = dist.new_group(backend="gloo", timeout=self._timeout) if dist.is_initialized() else None
+            group = None
+            if dist.is_initialized():
+                timeout = self._timeout
+                group = reused(("async_saves", timeout), lambda: dist.new_group(backend="gloo", timeout=timeout))
             self._async_saver = AsyncSaver(group, self.root_device)
 
     def _saves_at_step_boundary(self) -> None:

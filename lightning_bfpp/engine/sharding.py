@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_bfpp.engine._compat import replicate, unflatten_mesh
+from lightning_bfpp.engine.process_groups import reused
 
 if TYPE_CHECKING:
     from lightning_bfpp.plan.mesh import MeshShape
@@ -41,6 +42,9 @@ def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
     pipeline stays inside a node and data-parallel groups span nodes); with ``"pipeline_data"`` the ranks of
     one data-parallel group are (so its all-gathers and reductions, the heaviest traffic under sharding,
     stay inside a node while the pipeline's point-to-point transfers cross nodes).
+
+    Created once per process for each layout, and returned again to every later setup
+    (:mod:`lightning_bfpp.engine.process_groups`), as are the groups of the functions below.
     """
     dims = {DATA_PARALLEL: shape.data_parallel_size, PIPELINE_PARALLEL: shape.pipeline_parallel_size}
     names = (
@@ -51,7 +55,10 @@ def build_mesh(device: torch.device, shape: MeshShape) -> DeviceMesh:
     if shape.tensor_parallel_size > 1:
         dims[TENSOR_PARALLEL] = shape.tensor_parallel_size
         names = (*names, TENSOR_PARALLEL)
-    return init_device_mesh(device.type, tuple(dims[n] for n in names), mesh_dim_names=names)
+    sizes = tuple(dims[n] for n in names)
+    return reused(
+        ("mesh", device.type, sizes, names), lambda: init_device_mesh(device.type, sizes, mesh_dim_names=names)
+    )
 
 
 def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -63,14 +70,18 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 def tensor_group_mesh(size: int, device: torch.device) -> DeviceMesh:
     """This rank's tensor group (``size`` consecutive global ranks, as in every layout) as a 1-D
     ``"tensor_parallel"`` mesh of its own, before a layout and its mesh exist, so that each group can measure
-    layers split as training will split them. A collective: every rank calls it."""
-    rank = dist.get_rank()
-    mine = None
-    for first in range(0, dist.get_world_size(), size):
-        group = dist.new_group(list(range(first, first + size)))  # every rank creates every group, in order
-        if first <= rank < first + size:
-            mine = group
-    return DeviceMesh.from_group(mine, device.type, mesh_dim_names=(TENSOR_PARALLEL,))
+    layers split as training will split them. A collective the first time: every rank calls it."""
+
+    def create() -> DeviceMesh:
+        rank = dist.get_rank()
+        mine = None
+        for first in range(0, dist.get_world_size(), size):
+            group = dist.new_group(list(range(first, first + size)))  # every rank creates every group, in order
+            if first <= rank < first + size:
+                mine = group
+        return DeviceMesh.from_group(mine, device.type, mesh_dim_names=(TENSOR_PARALLEL,))
+
+    return reused(("tensor_group_mesh", device.type, size), create)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
@@ -83,13 +94,14 @@ def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     3-D ``init_device_mesh`` (replicate, shard, pipeline) or a ``DeviceMesh`` from explicit rank tensors: the
     root mesh keeps its (data, pipeline) dimensions, which samplers, ``data_parallel_rank``, logged values,
     checkpoint loader states and tie groups index as ``mesh[DATA_PARALLEL]``, and only the replicate and shard
-    groups are created (a second root mesh would duplicate the pipeline groups). A collective over the world:
-    every rank creates every group, in the same order.
+    groups are created (a second root mesh would duplicate the pipeline groups). A collective over the world the
+    first time: every rank creates every group, in the same order.
     """
     data = mesh[DATA_PARALLEL]
     if shape.shard_size is None:
         return data
-    return unflatten_mesh(data, (shape.replicate_size, shape.shard_size), (REPLICATE, SHARD))
+    sizes = (shape.replicate_size, shape.shard_size)
+    return reused(("hybrid_shard", mesh, sizes), lambda: unflatten_mesh(data, sizes, (REPLICATE, SHARD)))
 
 
 def shard_stage(
@@ -125,11 +137,14 @@ def second_data_parallel_group(mesh: DeviceMesh, shard_size: int | None = None) 
     thread gathers weights; each needs its own group, or ranks could issue the two in different orders on
     one group. Under ``hybrid_shard`` the gathers use the shard group only, so the reduce-scatter needs a
     second one, while the all-reduce across nodes keeps the mesh's replicate group (only the communication
-    thread uses it during a step). A collective over the world: every rank creates every group, in the same
-    order.
+    thread uses it during a step). A collective over the world the first time: every rank creates every group,
+    in the same order.
     """
     ranks = mesh.mesh
     dim = mesh.mesh_dim_names.index(DATA_PARALLEL)  # type: ignore[union-attr]
     groups = ranks.movedim(dim, -1).reshape(-1, shard_size or ranks.shape[dim]).tolist()
-    mine, _ = dist.new_subgroups_by_enumeration(groups)
-    return mine
+    return reused(("reductions", _rows(groups)), lambda: dist.new_subgroups_by_enumeration(groups)[0])
+
+
+def _rows(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(row) for row in groups)

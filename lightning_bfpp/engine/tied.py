@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.engine._compat import buffer_slots, parameter_slots
 from lightning_bfpp.engine.agreement import AgreedError
+from lightning_bfpp.engine.process_groups import reused
 
 
 class TiedSettingsError(AgreedError, ValueError):
@@ -272,8 +273,9 @@ class TiedParameters:
     def create_groups(self, mesh: DeviceMesh, pipeline_dim: str) -> None:
         """Create one process group per tie and data-parallel replica over the pipeline ranks holding copies.
 
-        A collective over the world: every rank knows every tie and creates every group in the same order,
-        also those it is not part of (``new_subgroups_by_enumeration`` needs that).
+        A collective over the world the first time (see :func:`~lightning_bfpp.engine.process_groups.reused`):
+        every rank knows every tie and creates every group in the same order, also those it is not part of
+        (``new_subgroups_by_enumeration`` needs that).
         """
         if mesh.size() == 1:
             return
@@ -288,9 +290,10 @@ class TiedParameters:
             if len(group.ranks) < 2:
                 continue  # every copy is on this rank: summed locally
             if group.ranks not in created:
-                members = [[int(row[r]) for r in group.ranks] for row in ranks.tolist()]
-                mine, _ = dist.new_subgroups_by_enumeration(members)
-                created[group.ranks] = mine
+                members = tuple(tuple(int(row[r]) for r in group.ranks) for row in ranks.tolist())
+                created[group.ranks] = reused(
+                    ("ties", members), lambda members=members: dist.new_subgroups_by_enumeration(members)[0]
+                )
             group.process_group = created[group.ranks]
 
     def _check_split_alike(self) -> None:

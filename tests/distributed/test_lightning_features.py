@@ -224,3 +224,15 @@ def test_activation_checkpointing_changes_no_result(results):
     assert worst <= 1e-6, worst
     for a, b in zip(recomputed.steps(0), stored.steps(0), strict=True):
         assert a["callback_metrics"]["train_loss"] == pytest.approx(b["callback_metrics"]["train_loss"], rel=1e-6)
+
+
+def test_every_later_trainer_reuses_the_first_ones_process_groups(results):
+    """Each run is a new Trainer in the same 4 processes, all on one layout: after the first, none adds a process
+    group or a gloo thread (each Trainer used to add its mesh's groups, 3 threads and a socket per peer each
+    under gloo: a rank held 139 threads by the end of this launch)."""
+    _, res = results
+    for rank in range(4):
+        held = {name: res[name].ranks[rank]["held_after"] for name in RUNS}
+        first = held["clip_norm"]
+        assert first["process_groups"] >= 3 and first["gloo_threads"] > 0, first  # the world's, data's, pipeline's
+        assert held == dict.fromkeys(RUNS, first), (rank, held)

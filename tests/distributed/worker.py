@@ -539,6 +539,16 @@ class ForeignTensors(L.Callback):
         pl_module.bfpp_foreign = {"kept": len(kept), "dropped": len(self.refs) - len(kept), "alive": alive}
 
 
+def _held_by_process() -> dict[str, int]:
+    """What this process holds for communication once a run ended: process groups and gloo's threads (each
+    group's transport loop and work threads)."""
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return {
+        "process_groups": len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0,
+        "gloo_threads": sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names),
+    }
+
+
 def _status_kib(field: str) -> int:
     """A ``/proc/self/status`` field (``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``) in KiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -710,6 +720,7 @@ def _run(run: RunSpec, devices: int, out: Path, events: EventLog) -> None:
         **({"traffic": events.traffic} if "traffic" in run.checks else {}),
         "holdings": probe.holdings,
         "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "held_after": _held_by_process(),
         **extras,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))

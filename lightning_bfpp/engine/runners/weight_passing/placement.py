@@ -63,7 +63,9 @@ class WeightPassingExecutor:
     def connect(self) -> None:
         topology = self.transfers.topology
         # fetches and reductions each on groups of their own
-        self.transfers.connect(topology_groups(topology), topology_groups(topology))
+        self.transfers.connect(
+            topology_groups(topology, "weight_fetches"), topology_groups(topology, "weight_reductions")
+        )
 
     @property
     def waits_at_end(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_bfpp.engine.process_groups import reused
 from lightning_bfpp.engine.runners.weight_passing.chunks import ChunkWeights
 from lightning_bfpp.plan.topology import NodeTopology
 
@@ -182,16 +183,17 @@ class ChunkTransfers:
         self._executors.clear()
 
 
-def topology_groups(topology: NodeTopology) -> TopologyGroups:
-    """This rank's node group and rail group, None where it would hold this rank alone.
+def topology_groups(topology: NodeTopology, purpose: str) -> TopologyGroups:
+    """This rank's node group and rail group for ``purpose``, None where it would hold this rank alone.
 
-    A collective: every rank creates every group, in the same order. Called once for fetches and once for
-    reductions: two threads must not share a group, or ranks could issue their operations in different orders.
+    A collective the first time (see :func:`~lightning_bfpp.engine.process_groups.reused`): every rank creates
+    every group, in the same order. Called once for fetches and once for reductions: two threads must not
+    share a group, or ranks could issue their operations in different orders.
     """
-    nodes = [list(topology.node_ranks(n)) for n in range(topology.num_nodes)]
-    rails = [list(topology.rail_ranks(j)) for j in range(topology.processes_per_node)]
-    node_group, _ = dist.new_subgroups_by_enumeration(nodes)
-    rail_group, _ = dist.new_subgroups_by_enumeration(rails)
+    nodes = tuple(tuple(topology.node_ranks(n)) for n in range(topology.num_nodes))
+    rails = tuple(tuple(topology.rail_ranks(j)) for j in range(topology.processes_per_node))
+    node_group = reused((purpose, "nodes", nodes), lambda: dist.new_subgroups_by_enumeration(nodes)[0])
+    rail_group = reused((purpose, "rails", rails), lambda: dist.new_subgroups_by_enumeration(rails)[0])
     return (
         node_group if topology.processes_per_node > 1 else None,
         rail_group if topology.num_nodes > 1 else None,
