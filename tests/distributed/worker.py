@@ -542,7 +542,10 @@ class ForeignTensors(L.Callback):
 def _held_by_process() -> dict[str, int]:
     """What this process holds for communication once a run ended: process groups and gloo's threads (each
     group's transport loop and work threads)."""
-    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
     return {
         "process_groups": len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0,
         "gloo_threads": sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names),
