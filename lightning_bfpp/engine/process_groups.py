@@ -15,7 +15,7 @@ default group (after ``destroy_process_group``) starts afresh.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -41,3 +41,10 @@ def reused(key: Hashable, create: Callable[[], T]) -> T:
     if key not in _made:
         _made[key] = create()
     return _made[key]
+
+
+def reused_subgroup(purpose: str, groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+    """This rank's group among ``groups`` (every group's global ranks; ``new_subgroups_by_enumeration``), created
+    once for ``purpose`` and these members (see :func:`reused`); None where this rank is in none of them."""
+    members = tuple(tuple(int(rank) for rank in group) for group in groups)
+    return reused((purpose, members), lambda: dist.new_subgroups_by_enumeration(members)[0])

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_bfpp.engine._compat import replicate, unflatten_mesh
-from lightning_bfpp.engine.process_groups import reused
+from lightning_bfpp.engine.process_groups import reused, reused_subgroup
 
 if TYPE_CHECKING:
     from lightning_bfpp.plan.mesh import MeshShape
@@ -143,8 +143,6 @@ def second_data_parallel_group(mesh: DeviceMesh, shard_size: int | None = None) 
     ranks = mesh.mesh
     dim = mesh.mesh_dim_names.index(DATA_PARALLEL)  # type: ignore[union-attr]
     groups = ranks.movedim(dim, -1).reshape(-1, shard_size or ranks.shape[dim]).tolist()
-    return reused(("reductions", _rows(groups)), lambda: dist.new_subgroups_by_enumeration(groups)[0])
-
-
-def _rows(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(row) for row in groups)
+    mine = reused_subgroup("reductions", groups)
+    assert mine is not None  # every rank is in one data-parallel group
+    return mine

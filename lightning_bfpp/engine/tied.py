@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_bfpp.engine._compat import buffer_slots, parameter_slots
 from lightning_bfpp.engine.agreement import AgreedError
-from lightning_bfpp.engine.process_groups import reused
+from lightning_bfpp.engine.process_groups import reused_subgroup
 
 
 class TiedSettingsError(AgreedError, ValueError):
@@ -290,10 +290,8 @@ class TiedParameters:
             if len(group.ranks) < 2:
                 continue  # every copy is on this rank: summed locally
             if group.ranks not in created:
-                members = tuple(tuple(int(row[r]) for r in group.ranks) for row in ranks.tolist())
-                created[group.ranks] = reused(
-                    ("ties", members), lambda members=members: dist.new_subgroups_by_enumeration(members)[0]
-                )
+                members = [[row[r] for r in group.ranks] for row in ranks.tolist()]
+                created[group.ranks] = reused_subgroup("ties", members)
             group.process_group = created[group.ranks]
 
     def _check_split_alike(self) -> None:

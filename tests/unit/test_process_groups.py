@@ -56,17 +56,14 @@ def test_another_layout_gets_groups_of_its_own_and_both_stay(world):
     assert groups_in_world() == created
 
 
-def test_purposes_that_must_not_share_a_group_get_two():
-    """The communication thread's group has the mesh's data-parallel ranks, but is a group of its own."""
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
-    try:
-        shape = MeshShape(2, 4)
-        mesh = build_mesh(CPU, shape)
-        second = second_data_parallel_group(mesh, None)
-        assert dist.get_process_group_ranks(second) == mesh["data_parallel"].mesh.tolist()
-        assert second is not mesh.get_group("data_parallel")
-    finally:
-        dist.destroy_process_group()
+def test_purposes_that_must_not_share_a_group_get_two(world):
+    """The communication thread's group has the mesh's data-parallel ranks, but is a group of its own (and is
+    itself reused)."""
+    mesh = build_mesh(CPU, MeshShape(2, 4))
+    second = second_data_parallel_group(mesh, None)
+    assert dist.get_process_group_ranks(second) == mesh["data_parallel"].mesh.tolist()
+    assert second is not mesh.get_group("data_parallel")
+    assert second_data_parallel_group(mesh, None) is second
 
 
 def test_a_new_world_creates_them_again():

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_bfpp.engine.process_groups import reused
+from lightning_bfpp.engine.process_groups import reused_subgroup
 from lightning_bfpp.engine.runners.weight_passing.chunks import ChunkWeights
 from lightning_bfpp.plan.topology import NodeTopology
 
@@ -190,10 +190,10 @@ def topology_groups(topology: NodeTopology, purpose: str) -> TopologyGroups:
     every group, in the same order. Called once for fetches and once for reductions: two threads must not
     share a group, or ranks could issue their operations in different orders.
     """
-    nodes = tuple(tuple(topology.node_ranks(n)) for n in range(topology.num_nodes))
-    rails = tuple(tuple(topology.rail_ranks(j)) for j in range(topology.processes_per_node))
-    node_group = reused((purpose, "nodes", nodes), lambda: dist.new_subgroups_by_enumeration(nodes)[0])
-    rail_group = reused((purpose, "rails", rails), lambda: dist.new_subgroups_by_enumeration(rails)[0])
+    nodes = [topology.node_ranks(n) for n in range(topology.num_nodes)]
+    rails = [topology.rail_ranks(j) for j in range(topology.processes_per_node)]
+    node_group = reused_subgroup(f"{purpose}/nodes", nodes)
+    rail_group = reused_subgroup(f"{purpose}/rails", rails)
     return (
         node_group if topology.processes_per_node > 1 else None,
         rail_group if topology.num_nodes > 1 else None,
