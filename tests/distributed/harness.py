@@ -184,7 +184,7 @@ def launch(
 
     A launch in which a rank died in native code (:func:`_native_crash`: no Python error of its own) runs once
     more, with a warning carrying the crash report; a second failure, and any Python error, fails the test."""
-    proc = run_worker(runs, devices, workdir, timeout, unset)
+    proc, again = run_worker(runs, devices, workdir, timeout, unset), ""
     if proc.returncode != 0 and (crash := _native_crash(proc.stderr, workdir / "out")) is not None:
         warnings.warn(
             f"a rank of this launch died in native code (exit {proc.returncode}); it ran again:\n{crash}\n"
@@ -192,15 +192,41 @@ def launch(
             stacklevel=2,
         )
         shutil.rmtree(workdir / "out", ignore_errors=True)
-        proc = run_worker(runs, devices, workdir, timeout, unset)
+        proc, again = run_worker(runs, devices, workdir, timeout, unset), ", run again after a native crash"
     if proc.returncode != 0:
         crash = _native_crash(proc.stderr, workdir / "out") or ""
-        raise AssertionError(f"pipelined run failed (exit {proc.returncode}):\n{crash}\n{_tail(proc.stderr)}")
+        raise AssertionError(
+            f"pipelined run failed (exit {proc.returncode}{again}):\n{crash}\n{_tail(proc.stderr)}\n"
+            f"--- why it failed ---\n{_why_failed(proc.stderr, workdir / 'out')}"
+        )
     return load_results(runs, devices, workdir)
 
 
 # what the other ranks of a launch raise when one of them is gone
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "stopped responding")
+_ERROR = re.compile(r"\w(Error|Exception): ")
+_WATCHDOG = "BFPPStrategy: stopping this process because"
+
+
+def _why_failed(stderr: str | None, out: Path) -> str:
+    """The lines of a failed launch that say why, for the end of its error message, where a log's tail shows them:
+    the first error each rank raised of its own (with the two lines above it, its frame), the failure watchdog's
+    first message, and the start of each fault report. The output's own tail is mostly the survivors' errors,
+    which say only that a peer left."""
+    lines = (stderr or "").splitlines()
+    own: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        if _ERROR.search(line) and not any(lost in line for lost in _PEER_LOST):
+            rank = re.match(r"\[rank\d+\]", line)
+            own.setdefault(rank.group() if rank else "", "\n".join(lines[max(i - 2, 0) : i + 1]))
+    parts = list(own.values())
+    parts += [line for line in lines if _WATCHDOG in line][:1]
+    parts += [
+        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n" + "\n".join(text.splitlines()[:12])
+        for path in sorted(out.glob(f"{CRASH_PREFIX}*.txt"))
+        if (text := path.read_text(errors="replace").strip())
+    ]
+    return "\n".join(parts) if parts else "no rank said why: no error of its own, watchdog message or fault report"
 
 
 def _native_crash(stderr: str | None, out: Path) -> str | None:
@@ -213,7 +239,7 @@ def _native_crash(stderr: str | None, out: Path) -> str | None:
     ]
     if reports:
         return "\n".join(reports)
-    errors = [line for line in (stderr or "").splitlines() if re.search(r"\w(Error|Exception): ", line)]
+    errors = [line for line in (stderr or "").splitlines() if _ERROR.search(line)]
     if errors and all(any(lost in line for lost in _PEER_LOST) for line in errors):
         return "a rank exited without a Python error; the others lost their connection to it"
     return None

@@ -544,7 +544,9 @@ def _held_by_process() -> dict[str, int]:
     group's transport loop and work threads)."""
     names = []
     for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+        # a thread that ended meanwhile: gone before the open (ENOENT) or between the open and the read (ESRCH);
+        # threads end here (the transfers' and the watchdog's, joined at teardown, are still leaving)
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
     return {
         "process_groups": len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0,

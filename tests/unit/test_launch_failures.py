@@ -1,8 +1,12 @@
-"""The harness tells a rank that died in native code (run the launch once more) from one that raised (fail)."""
+"""The harness tells a rank that died in native code (run the launch once more) from one that raised (fail), and says
+why a launch failed where its message ends."""
 
 from __future__ import annotations
 
-from tests.distributed.harness import CRASH_PREFIX, _native_crash
+import os
+from pathlib import Path
+
+from tests.distributed.harness import CRASH_PREFIX, _native_crash, _why_failed
 
 LOST = (
     "[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:22915: Connection reset by"
@@ -27,3 +31,45 @@ def test_a_fault_handler_report_is_a_native_crash(tmp_path):
     report = _native_crash("[rank0]: ValueError: something", tmp_path)
     assert report is not None and "node0.rank3" in report and "Segmentation fault" in report
     assert "rank1" not in report
+
+
+def test_the_message_ends_with_why_not_with_the_survivors_lost_peers(tmp_path):
+    """A failed launch's output ends with the survivors' errors (a peer left); the ranks that raised of their own,
+    and where, come after it, where a log's tail shows them."""
+    stderr = (
+        "[rank2]: Traceback (most recent call last):\n"
+        '[rank2]:   File "tests/distributed/worker.py", line 548, in _held_by_process\n'
+        "[rank2]:     names.append(Path(comm).read_text())\n"
+        "[rank2]: ProcessLookupError: [Errno 3] No such process\n"
+        f"{LOST}\n"
+        "[rank 3] BFPPStrategy: stopping this process because rank 2 failed: it raised\n"
+        "[rank2]: ValueError: a later error of the same rank\n"
+    )
+    why = _why_failed(stderr, tmp_path)
+    assert "ProcessLookupError: [Errno 3]" in why and "line 548, in _held_by_process" in why
+    assert "stopping this process because rank 2 failed" in why
+    assert "later error" not in why and "Connection reset" not in why
+    (tmp_path / f"{CRASH_PREFIX}node0.rank1.txt").write_text("Fatal Python error: Aborted\n\nCurrent thread ...")
+    assert "--- node0.rank1 ---\nFatal Python error: Aborted" in _why_failed(LOST, tmp_path)
+    assert _why_failed(LOST, tmp_path / "none").startswith("no rank said why")
+
+
+def test_the_census_of_threads_skips_one_that_ends_while_it_is_read(monkeypatch):
+    """A thread that ends between the listing and the read is gone before the open (ENOENT) or after it (ESRCH);
+    either is skipped, not raised (which failed a launch after its run had passed)."""
+    from tests.distributed import worker
+
+    tasks = sorted(os.listdir("/proc/self/task"))
+    read = Path.read_text
+
+    def racing(path: Path, *args, **kwargs) -> str:
+        if path.name == "comm" and path.parent.name == tasks[0]:
+            raise ProcessLookupError(3, "No such process")
+        if path.name == "comm" and path.parent.name == "0":
+            raise FileNotFoundError(2, "No such file or directory")
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", racing)
+    monkeypatch.setattr(worker.os, "listdir", lambda folder: [*tasks, "0"])
+    held = worker._held_by_process()  # raised ProcessLookupError before
+    assert set(held) == {"process_groups", "gloo_threads"}
