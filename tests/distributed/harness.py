@@ -206,6 +206,7 @@ def launch(
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "stopped responding")
 _ERROR = re.compile(r"\w(Error|Exception): ")
 _WATCHDOG = "BFPPStrategy: stopping this process because"
+LAUNCH_FAILED = "launch failed:"  # the worker's line saying which rank failed first, and how
 
 
 def _why_failed(stderr: str | None, out: Path) -> str:
@@ -219,14 +220,22 @@ def _why_failed(stderr: str | None, out: Path) -> str:
         if _ERROR.search(line) and not any(lost in line for lost in _PEER_LOST):
             rank = re.match(r"\[rank\d+\]", line)
             own.setdefault(rank.group() if rank else "", "\n".join(lines[max(i - 2, 0) : i + 1]))
-    parts = list(own.values())
+    parts = [line for line in lines if line.startswith(LAUNCH_FAILED)][:1]  # the first rank to fail, and how
+    parts += own.values()
     parts += [line for line in lines if _WATCHDOG in line][:1]
     parts += [
-        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n" + "\n".join(text.splitlines()[:12])
+        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n{_crashed_thread(text)}"
         for path in sorted(out.glob(f"{CRASH_PREFIX}*.txt"))
         if (text := path.read_text(errors="replace").strip())
     ]
     return "\n".join(parts) if parts else "no rank said why: no error of its own, watchdog message or fault report"
+
+
+def _crashed_thread(report: str, lines: int = 12) -> str:
+    """A fault report's first line (the signal) and the stack of the thread that received it."""
+    text = report.splitlines()
+    current = next((i for i, line in enumerate(text) if line.startswith("Current thread")), None)
+    return "\n".join(text[:1] + text[current : current + lines] if current is not None else text[:lines])
 
 
 def _native_crash(stderr: str | None, out: Path) -> str | None:

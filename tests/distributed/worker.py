@@ -50,6 +50,7 @@ from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.engine.layers import Recompute, RemoteLayer
 from lightning_bfpp.measure import launcher
 from tests import models as test_models
+from tests.distributed.harness import LAUNCH_FAILED
 from tests.models import (
     RunSpec,
     StepRecorder,
@@ -771,6 +772,8 @@ def main() -> None:
         run_rank, spec["devices"], out, args=(spec, str(out)), per_rank_logs=False, threads=None,
         unwind_on_failure=True,
     )  # fmt: skip
+    if not result.ok:  # which rank failed first, and how (a negative code: the signal that ended it)
+        sys.stderr.write(f"{LAUNCH_FAILED} {result.reason}; exit codes by rank: {list(result.exitcodes)}\n")
     _leave(0 if result.ok else 1)
 
 

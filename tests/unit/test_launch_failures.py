@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.distributed.harness import CRASH_PREFIX, _native_crash, _why_failed
+from tests.distributed.harness import CRASH_PREFIX, LAUNCH_FAILED, _native_crash, _why_failed
 
 LOST = (
     "[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:22915: Connection reset by"
@@ -44,13 +44,18 @@ def test_the_message_ends_with_why_not_with_the_survivors_lost_peers(tmp_path):
         f"{LOST}\n"
         "[rank 3] BFPPStrategy: stopping this process because rank 2 failed: it raised\n"
         "[rank2]: ValueError: a later error of the same rank\n"
+        f"{LAUNCH_FAILED} rank 2 exited with 1; exit codes by rank: [1, 1, 1, 1]\n"
     )
     why = _why_failed(stderr, tmp_path)
+    assert why.startswith(f"{LAUNCH_FAILED} rank 2 exited with 1")
     assert "ProcessLookupError: [Errno 3]" in why and "line 548, in _held_by_process" in why
     assert "stopping this process because rank 2 failed" in why
     assert "later error" not in why and "Connection reset" not in why
-    (tmp_path / f"{CRASH_PREFIX}node0.rank1.txt").write_text("Fatal Python error: Aborted\n\nCurrent thread ...")
-    assert "--- node0.rank1 ---\nFatal Python error: Aborted" in _why_failed(LOST, tmp_path)
+    report = 'Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "a.py", line 1 in idle\n\n'
+    (tmp_path / f"{CRASH_PREFIX}node0.rank1.txt").write_text(report + 'Current thread 0x2:\n  File "b.py", line 2 in f')
+    crashed = _why_failed(LOST, tmp_path)
+    assert "--- node0.rank1 ---\nFatal Python error: Aborted\nCurrent thread 0x2" in crashed and "in f" in crashed
+    assert "in idle" not in crashed  # the stack of the thread the signal reached, not every thread's
     assert _why_failed(LOST, tmp_path / "none").startswith("no rank said why")
 
 
