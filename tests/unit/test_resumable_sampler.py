@@ -9,6 +9,9 @@ Lightning's samplers resumable.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
@@ -85,6 +88,24 @@ def test_only_lightnings_samplers_in_a_stateful_loader_are_changed():
     own = StatefulDataLoader(list(range(40)), batch_size=4, sampler=StatefulDistributedSampler(range(40), 2, 0))
     make_resumable(own)
     assert type(own.batch_sampler.sampler) is StatefulDistributedSampler
+
+
+def test_a_resumable_loader_left_mid_epoch_stops_its_workers_when_it_is_dropped():
+    """Making a loader resumable adds no reference cycle: dropped, it and its iterator are freed at once, and the
+    iterator's workers stop as they do for Lightning's own loader. A cycle left them to the garbage collector, which
+    closed the iterator's queues before its shutdown: each worker was then waited for 5 s and terminated."""
+    loader = lightning_loader(True, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    workers = list(iterator._workers)
+    freed = weakref.ref(loader), weakref.ref(iterator)
+    gc.disable()
+    try:
+        del loader, iterator
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        gc.enable()
+    assert [worker.exitcode for worker in workers] == [0, 0]  # stopped by their messages, not terminated
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
