@@ -211,9 +211,10 @@ LAUNCH_FAILED = "launch failed:"  # the worker's line saying which rank failed f
 
 def _why_failed(stderr: str | None, out: Path) -> str:
     """The lines of a failed launch that say why, for the end of its error message, where a log's tail shows them:
-    the first error each rank raised of its own (with the two lines above it, its frame), the failure watchdog's
-    first message, and the start of each fault report. The output's own tail is mostly the survivors' errors,
-    which say only that a peer left."""
+    the worker's line naming the first rank to fail and every rank's exit code, the first error each rank raised
+    of its own (with the two lines above it, its frame), the failure watchdog's first message, and each fault
+    report's signal and crashed thread. The output's own tail is mostly the survivors' errors, which say only
+    that a peer left."""
     lines = (stderr or "").splitlines()
     own: dict[str, str] = {}
     for i, line in enumerate(lines):
