@@ -167,26 +167,25 @@ def make_resumable(dataloader: object) -> None:
         if (resumable := _RESUMABLE.get(type(sampler))) is not None:
             sampler.__class__ = resumable
             swapped = True
-    load_state_dict = getattr(type(dataloader), "load_state_dict", None)
-    if swapped and load_state_dict is not None and "load_state_dict" not in vars(dataloader):
-        dataloader.load_state_dict = _reading_earlier_states(dataloader, load_state_dict)  # type: ignore[attr-defined]
+    if swapped and "load_state_dict" not in vars(dataloader):
+        dataloader.load_state_dict = _reading_earlier_states(dataloader.load_state_dict)  # type: ignore[attr-defined]
 
 
-def _reading_earlier_states(dataloader: object, load_state_dict: Callable[[Any, Any], None]) -> Callable[[Any], None]:
+def _reading_earlier_states(load_state_dict: Callable[[Any], None]) -> Callable[[Any], None]:
     """The loader's ``load_state_dict``, reading a state saved while its sampler was not ``Stateful`` (samples
     yielded, no sampler state: torchdata skips them only for such a sampler) as the place to skip to.
 
-    It holds the loader weakly. Holding its bound method would make the loader a reference cycle, freed only by the
-    garbage collector, with the iterator it keeps: the collector closes the iterator's queues before the iterator's
-    own shutdown, whose stop messages then never reach its workers; each worker of an iterator left mid-epoch (a fit
-    ending at ``max_steps``, a Trainer after another) was waited for 5 s and then terminated."""
-    loader = weakref.ref(dataloader)
+    It holds the loader's method weakly (``WeakMethod``): holding it would make the loader a reference cycle, freed
+    only by the garbage collector, with the iterator it keeps: the collector closes the iterator's queues before the
+    iterator's own shutdown, whose stop messages then never reach its workers; each worker of an iterator left
+    mid-epoch (a fit ending at ``max_steps``, a Trainer after another) was waited for 5 s and then terminated."""
+    method = weakref.WeakMethod(load_state_dict)  # type: ignore[arg-type]
 
     def load(state_dict: Any) -> None:
         state_dict = copy.deepcopy(state_dict)
         for position in sampler_positions(state_dict):
             if SAMPLER_STATE_KEY not in position:
                 position[SAMPLER_STATE_KEY] = {REPLICAS_KEY: None, YIELDED_KEY: position["samples_yielded"]}
-        load_state_dict(loader(), state_dict)
+        method()(state_dict)  # type: ignore[misc]
 
     return load

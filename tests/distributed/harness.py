@@ -218,18 +218,27 @@ def _why_failed(stderr: str | None, out: Path) -> str:
     lines = (stderr or "").splitlines()
     own: dict[str, str] = {}
     for i, line in enumerate(lines):
-        if _ERROR.search(line) and not any(lost in line for lost in _PEER_LOST):
+        if _ERROR.search(line) and not _lost_peer(line):
             rank = re.match(r"\[rank\d+\]", line)
             own.setdefault(rank.group() if rank else "", "\n".join(lines[max(i - 2, 0) : i + 1]))
     parts = [line for line in lines if line.startswith(LAUNCH_FAILED)][:1]  # the first rank to fail, and how
     parts += own.values()
     parts += [line for line in lines if _WATCHDOG in line][:1]
-    parts += [
-        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n{_crashed_thread(text)}"
+    parts += [f"--- {rank} ---\n{_crashed_thread(text)}" for rank, text in _fault_reports(out)]
+    return "\n".join(parts) if parts else "no rank said why: no error of its own, watchdog message or fault report"
+
+
+def _lost_peer(line: str) -> bool:
+    return any(lost in line for lost in _PEER_LOST)
+
+
+def _fault_reports(out: Path) -> list[tuple[str, str]]:
+    """(rank, report) of every rank whose fault handler wrote one (a native crash), in rank order."""
+    return [
+        (path.name[len(CRASH_PREFIX) : -len(".txt")], text)
         for path in sorted(out.glob(f"{CRASH_PREFIX}*.txt"))
         if (text := path.read_text(errors="replace").strip())
     ]
-    return "\n".join(parts) if parts else "no rank said why: no error of its own, watchdog message or fault report"
 
 
 def _crashed_thread(report: str, lines: int = 12) -> str:
@@ -242,15 +251,11 @@ def _crashed_thread(report: str, lines: int = 12) -> str:
 def _native_crash(stderr: str | None, out: Path) -> str | None:
     """How a rank died if it died without raising: its fault handler's report or, where it wrote none, the
     survivors' errors that only say they lost a peer. None where some rank raised an error of its own."""
-    reports = [
-        f"--- {path.name[len(CRASH_PREFIX) : -len('.txt')]} ---\n{text}"
-        for path in sorted(out.glob(f"{CRASH_PREFIX}*.txt"))
-        if (text := path.read_text(errors="replace").strip())
-    ]
+    reports = [f"--- {rank} ---\n{text}" for rank, text in _fault_reports(out)]
     if reports:
         return "\n".join(reports)
     errors = [line for line in (stderr or "").splitlines() if _ERROR.search(line)]
-    if errors and all(any(lost in line for lost in _PEER_LOST) for line in errors):
+    if errors and all(_lost_peer(line) for line in errors):
         return "a rank exited without a Python error; the others lost their connection to it"
     return None
 

@@ -65,16 +65,19 @@ def test_the_census_of_threads_skips_one_that_ends_while_it_is_read(monkeypatch)
     from tests.distributed import worker
 
     tasks = sorted(os.listdir("/proc/self/task"))
+    before = worker._held_by_process()["gloo_threads"]
     read = Path.read_text
 
     def racing(path: Path, *args, **kwargs) -> str:
-        if path.name == "comm" and path.parent.name == tasks[0]:
-            raise ProcessLookupError(3, "No such process")
-        if path.name == "comm" and path.parent.name == "0":
+        if path.name == "comm" and path.parent.name == "0":  # listed, then gone before the open
             raise FileNotFoundError(2, "No such file or directory")
+        if path.name == "comm" and path.parent.name == "1":  # listed, then gone between the open and the read
+            raise ProcessLookupError(3, "No such process")
+        if path.name == "comm" and path.parent.name == "2":  # a gloo thread listed after them
+            return "gloo_tcp_loop\n"
         return read(path, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", racing)
-    monkeypatch.setattr(worker.os, "listdir", lambda folder: [*tasks, "0"])
-    held = worker._held_by_process()  # raised ProcessLookupError before
-    assert set(held) == {"process_groups", "gloo_threads"}
+    monkeypatch.setattr(worker.os, "listdir", lambda folder: [*tasks, "0", "1", "2"])
+    # the vanished threads are skipped and the census goes on to count the rest (it raised ProcessLookupError before)
+    assert worker._held_by_process()["gloo_threads"] == before + 1
